@@ -1,0 +1,28 @@
+"""Verifiable-reward tasks: procedural arithmetic and countdown, and JSONL question/answer sets."""
+
+from .answers import extract_answer, gsm8k, normalize_answer
+from .arithmetic import ArithmeticTask, arithmetic_exact
+from .base import Example, RewardFn, Task
+from .countdown import CountdownTask, countdown
+from .jsonl import JsonlTask
+from .registry import get_task, task_names
+from .rewards import REWARDS, load_reward, reward_names
+
+__all__ = [
+    "REWARDS",
+    "ArithmeticTask",
+    "CountdownTask",
+    "Example",
+    "JsonlTask",
+    "RewardFn",
+    "Task",
+    "arithmetic_exact",
+    "countdown",
+    "extract_answer",
+    "get_task",
+    "gsm8k",
+    "load_reward",
+    "normalize_answer",
+    "reward_names",
+    "task_names",
+]
