@@ -168,8 +168,9 @@ def compute(
                     zeroed.append(_zero_grad_clip(_f(rho), A[b], lo, hi))
     elif name in ("gspo", "gspo_token"):
         for b in range(B):
-            dbar = sum((logp[b, t] - lq[b, t] for t in range(T) if _valid(mask, b, t)),
-                       torch.zeros((), dtype=F64)) / max(L[b], 1)
+            dbar = sum(
+                (logp[b, t] - lq[b, t] for t in range(T) if _valid(mask, b, t)), torch.zeros((), dtype=F64)
+            ) / max(L[b], 1)
             s = torch.exp(torch.clamp(dbar, -c, c))
             weights.append(_f(s))
             zeroed.append(_zero_grad_clip(_f(s), A[b], lo, hi))
@@ -240,8 +241,9 @@ def compute(
         lq_bar = []
         for b in range(B):
             n = max(L[b], 1)
-            lp_bar.append(sum((logp[b, t] for t in range(T) if _valid(mask, b, t)),
-                              torch.zeros((), dtype=F64)) / n)
+            lp_bar.append(
+                sum((logp[b, t] for t in range(T) if _valid(mask, b, t)), torch.zeros((), dtype=F64)) / n
+            )
             lq_bar.append(sum(float(lq[b, t]) for t in range(T) if _valid(mask, b, t)) / n)
         qt = [math.exp(x) for x in lq_bar]
         scope_ids = gids if group_scope == "prompt" else [0] * B

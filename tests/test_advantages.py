@@ -39,13 +39,18 @@ def test_grpo_unbiased_std():
 
 
 def test_grpo_unbiased_is_default():
-    torch.testing.assert_close(adv("grpo", [1, 0, 0, 0], [0] * 4, eps=0.0, unbiased=True),
-                               adv("grpo", [1, 0, 0, 0], [0] * 4, eps=0.0))
+    torch.testing.assert_close(
+        adv("grpo", [1, 0, 0, 0], [0] * 4, eps=0.0, unbiased=True),
+        adv("grpo", [1, 0, 0, 0], [0] * 4, eps=0.0),
+    )
 
 
 def test_grpo_population_std():
-    torch.testing.assert_close(adv("grpo", [1, 0, 0, 0], [0] * 4, eps=0.0, unbiased=False),
-                               t([1.732051, -0.577350, -0.577350, -0.577350]), **TOL)
+    torch.testing.assert_close(
+        adv("grpo", [1, 0, 0, 0], [0] * 4, eps=0.0, unbiased=False),
+        t([1.732051, -0.577350, -0.577350, -0.577350]),
+        **TOL,
+    )
 
 
 def test_grpo_default_eps_is_small():
@@ -83,9 +88,22 @@ def test_group_of_one_gives_zero(name):
 def test_bnpo_symmetric():
     R = [1, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0]
     gids = [0] * 4 + [1] * 4 + [2] * 4
-    exp = t([0.680175, -0.226725, -0.226725, -0.226725,
-             0.392699, 0.392699, -0.392699, -0.392699,
-             0.226725, 0.226725, 0.226725, -0.680175])
+    exp = t(
+        [
+            0.680175,
+            -0.226725,
+            -0.226725,
+            -0.226725,
+            0.392699,
+            0.392699,
+            -0.392699,
+            -0.392699,
+            0.226725,
+            0.226725,
+            0.226725,
+            -0.680175,
+        ]
+    )
     torch.testing.assert_close(t(ref.advantages("bnpo", R, gids)), exp, **TOL)
     got = adv("bnpo", R, gids)
     torch.testing.assert_close(got, exp, **TOL)

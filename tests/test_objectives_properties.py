@@ -123,8 +123,11 @@ def objective_params(draw, name, T):
         modes = ["none", "fixed", "staleness", "auto_off"] if name == "gepo" else ["none", "auto_off"]
         mode = draw(st.sampled_from(modes))
         if mode == "fixed":
-            p.update(defensive_sampling=True, defensive_schedule="fixed",
-                     defensive_lambda=draw(st.sampled_from([0.0, 0.3, 0.5, 1.0])))
+            p.update(
+                defensive_sampling=True,
+                defensive_schedule="fixed",
+                defensive_lambda=draw(st.sampled_from([0.0, 0.3, 0.5, 1.0])),
+            )
         elif mode == "staleness":
             p["staleness"] = "DRAW"
             p["defensive_lambda"] = draw(st.sampled_from([0.5, 1.0]))
@@ -206,8 +209,20 @@ def test_dr_grpo_default_needs_max_len():
 @pytest.mark.parametrize("name", REQUIRED)
 def test_common_params_accepted(name):
     lp, lq, mask, A, g = ref.canonical()
-    loss, _ = obj.compute(name, lp, lq, mask, A, g, clip=None, aggregation="delta_l", max_len=5,
-                          delta_l_alpha=0.75, logratio_clamp=10.0, staleness=torch.tensor([0.0, 3.0]))
+    loss, _ = obj.compute(
+        name,
+        lp,
+        lq,
+        mask,
+        A,
+        g,
+        clip=None,
+        aggregation="delta_l",
+        max_len=5,
+        delta_l_alpha=0.75,
+        logratio_clamp=10.0,
+        staleness=torch.tensor([0.0, 3.0]),
+    )
     assert torch.isfinite(loss)
 
 
@@ -215,8 +230,9 @@ def test_common_params_accepted(name):
 
 
 @PROPS
-@given(shape=batch_shape(max_b=5, max_t=7), agg=st.sampled_from(AGGS),
-       alpha=st.sampled_from([1.0, 0.75, 0.0]))
+@given(
+    shape=batch_shape(max_b=5, max_t=7), agg=st.sampled_from(AGGS), alpha=st.sampled_from([1.0, 0.75, 0.0])
+)
 def test_aggregate_matches_reference(shape, agg, alpha):
     lp, lq, mask, A, g = make_batch(**shape)
     gen = torch.Generator().manual_seed(shape["seed"])
@@ -236,8 +252,12 @@ def test_aggregate_matches_reference(shape, agg, alpha):
 def test_aggregate_ignores_padding_values():
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
     tl = torch.tensor([[1.0, 1e6, -1e6], [2.0, 3.0, 4.0]], dtype=F64)
-    cases = [("token_mean", 10 / 4), ("seq_mean_token_mean", (1 + 3) / 2), ("seq_mean_token_sum", 5.0),
-             ("constant", 10 / (2 * 5))]
+    cases = [
+        ("token_mean", 10 / 4),
+        ("seq_mean_token_mean", (1 + 3) / 2),
+        ("seq_mean_token_sum", 5.0),
+        ("constant", 10 / (2 * 5)),
+    ]
     for agg, exp in cases:
         assert obj.aggregate(agg, tl, mask, max_len=5).item() == pytest.approx(exp, rel=1e-12), agg
     # delta_l α = 1: x = [1, 1/3]/(5 · 4/3)

@@ -56,36 +56,73 @@ def g(rows):
 # (id, objective, params, spec loss, spec grad)
 CASES = [
     ("5.2-grpo", "grpo", {}, -0.275, g(([0, -0.25], [0.083333, 0, 0.125]))),
-    ("5.2-grpo-explicit", "grpo", {"clip": 0.2, "aggregation": "seq_mean_token_mean"}, -0.275,
-     g(([0, -0.25], [0.083333, 0, 0.125]))),
+    (
+        "5.2-grpo-explicit",
+        "grpo",
+        {"clip": 0.2, "aggregation": "seq_mean_token_mean"},
+        -0.275,
+        g(([0, -0.25], [0.083333, 0, 0.125])),
+    ),
     ("5.3-dapo", "dapo", {}, -0.12, g(([-0.25, -0.2], [0.1, 0, 0.15]))),
-    ("5.3-dapo-explicit", "grpo", {"clip": (0.2, 0.28), "aggregation": "token_mean"}, -0.12,
-     g(([-0.25, -0.2], [0.1, 0, 0.15]))),
+    (
+        "5.3-dapo-explicit",
+        "grpo",
+        {"clip": (0.2, 0.28), "aggregation": "token_mean"},
+        -0.12,
+        g(([-0.25, -0.2], [0.1, 0, 0.15])),
+    ),
     ("5.4-dr_grpo", "dr_grpo", {"max_len": 4}, -0.06875, g(([0, -0.125], [0.0625, 0, 0.09375]))),
-    ("5.5-delta_l-a1", "grpo", {"aggregation": "delta_l", "max_len": 4}, -0.165,
-     g(([0, -0.15], [0.05, 0, 0.075]))),
-    ("5.5-delta_l-a1-drgrpo", "dr_grpo", {"aggregation": "delta_l", "max_len": 4, "delta_l_alpha": 1.0},
-     -0.165, g(([0, -0.15], [0.05, 0, 0.075]))),
-    ("5.5-delta_l-a075", "grpo", {"aggregation": "delta_l", "max_len": 4, "delta_l_alpha": 0.75}, -0.141365,
-     g(([0, -0.143861], [0.053069, 0, 0.079604]))),
-    ("5.5-delta_l-a0", "grpo", {"aggregation": "delta_l", "max_len": 4, "delta_l_alpha": 0.0}, -0.06875,
-     g(([0, -0.125], [0.0625, 0, 0.09375]))),
-    ("5.6-gspo-eps0.2", "gspo", {"clip": 0.2}, -0.304918,
-     g(([-0.279508] * 2, [0.084700] * 3))),
+    (
+        "5.5-delta_l-a1",
+        "grpo",
+        {"aggregation": "delta_l", "max_len": 4},
+        -0.165,
+        g(([0, -0.15], [0.05, 0, 0.075])),
+    ),
+    (
+        "5.5-delta_l-a1-drgrpo",
+        "dr_grpo",
+        {"aggregation": "delta_l", "max_len": 4, "delta_l_alpha": 1.0},
+        -0.165,
+        g(([0, -0.15], [0.05, 0, 0.075])),
+    ),
+    (
+        "5.5-delta_l-a075",
+        "grpo",
+        {"aggregation": "delta_l", "max_len": 4, "delta_l_alpha": 0.75},
+        -0.141365,
+        g(([0, -0.143861], [0.053069, 0, 0.079604])),
+    ),
+    (
+        "5.5-delta_l-a0",
+        "grpo",
+        {"aggregation": "delta_l", "max_len": 4, "delta_l_alpha": 0.0},
+        -0.06875,
+        g(([0, -0.125], [0.0625, 0, 0.09375])),
+    ),
+    ("5.6-gspo-eps0.2", "gspo", {"clip": 0.2}, -0.304918, g(([-0.279508] * 2, [0.084700] * 3))),
     ("5.6-gspo-default", "gspo", {}, -0.246101, g(([0, 0], [0.084700] * 3))),
     ("5.6-gspo-explicit", "gspo", {"clip": (3e-4, 4e-4)}, -0.246101, g(([0, 0], [0.084700] * 3))),
-    ("5.6-gspo_token-eps0.2", "gspo_token", {"clip": 0.2}, -0.304918,
-     g(([-0.279508] * 2, [0.084700] * 3))),
+    ("5.6-gspo_token-eps0.2", "gspo_token", {"clip": 0.2}, -0.304918, g(([-0.279508] * 2, [0.084700] * 3))),
     ("5.6-gspo_token-default", "gspo_token", {}, -0.246101, g(([0, 0], [0.084700] * 3))),
     ("5.7-gmpo-default", "gmpo", {}, -0.304918, g(([-0.279508] * 2, [0.084700] * 3))),
-    ("5.7-gmpo-eps0.2", "gmpo", {"clip": 0.2}, -0.284863,
-     g(([0, -0.276293], [0.089241, 0, 0.089241]))),
+    ("5.7-gmpo-eps0.2", "gmpo", {"clip": 0.2}, -0.284863, g(([0, -0.276293], [0.089241, 0, 0.089241]))),
     ("5.8-cispo", "cispo", {"clip": (None, 0.2)}, 0.037929, g(([-0.24, -0.2], [0.1, 0.07, 0.12]))),
     ("5.9-gepo", "gepo", {}, -0.334682, g(([-0.289499] * 2, [0.081439] * 3))),
-    ("5.9-gepo-explicit", "gepo", {"clip": 0.2, "group_scope": "prompt"}, -0.334682,
-     g(([-0.289499] * 2, [0.081439] * 3))),
-    ("5.9-gepo-microbatch", "gepo", {"group_scope": "microbatch"}, -0.334682,
-     g(([-0.289499] * 2, [0.081439] * 3))),
+    (
+        "5.9-gepo-explicit",
+        "gepo",
+        {"clip": 0.2, "group_scope": "prompt"},
+        -0.334682,
+        g(([-0.289499] * 2, [0.081439] * 3)),
+    ),
+    (
+        "5.9-gepo-microbatch",
+        "gepo",
+        {"group_scope": "microbatch"},
+        -0.334682,
+        g(([-0.289499] * 2, [0.081439] * 3)),
+    ),
     ("5.11-topr", "topr", {}, 0.018127, g(([-0.5] * 2, [0.25] * 3))),
 ]
 CASE_IDS = [c[0] for c in CASES]
@@ -231,8 +268,10 @@ def _weights_from_grad(grad, A, mask):
         ({**FIXED, "defensive_lambda": 1.0}, [1.0, 1.0]),
         # staleness schedule: λ = 1.0 · 8/(8+8) = 0.5
         ({"staleness": torch.tensor([8.0, 8.0]), "defensive_lambda": 1.0}, [1.073214, 0.988501]),
-        ({"staleness": torch.tensor([8.0, 8.0]), "defensive_lambda": 1.0, "defensive_half_staleness": 8.0},
-         [1.073214, 0.988501]),
+        (
+            {"staleness": torch.tensor([8.0, 8.0]), "defensive_lambda": 1.0, "defensive_half_staleness": 8.0},
+            [1.073214, 0.988501],
+        ),
         # λ = 0.5 · 8/16 = 0.25 for both rows, compared with the reference below
         ({"staleness": torch.tensor([8.0, 8.0])}, None),
         # auto mode off: no staleness or all-zero staleness => plain GEPO
@@ -250,8 +289,9 @@ def test_gepo_defensive_weights(params, w):
     _, grad, stats = run("gepo", clip=None, **params)
     rl, rg, info = run_ref("gepo", clip=None, **params)
     if w is not None:
-        torch.testing.assert_close(torch.tensor(info["weights"], dtype=F64), torch.tensor(w, dtype=F64),
-                                   **TOL)
+        torch.testing.assert_close(
+            torch.tensor(info["weights"], dtype=F64), torch.tensor(w, dtype=F64), **TOL
+        )
     got_w = _weights_from_grad(grad, A, mask)
     torch.testing.assert_close(got_w, torch.tensor(info["weights"], dtype=F64), **TOL)
     torch.testing.assert_close(grad, rg, rtol=1e-9, atol=1e-12)

@@ -1,0 +1,3 @@
+from heterorl.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""``heterorl`` command line. Arguments are parsed before torch is imported, so ``--help`` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = "runs/tiny-model"
+OBJECTIVES = ("gepo", "gepo_plus", "grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "cispo", "topr", "gmpo")
+
+
+def _model_init(args: argparse.Namespace) -> int:
+    from heterorl.peer.model import build_tiny_model
+
+    build_tiny_model(
+        args.out,
+        task=args.task,
+        task_params=json.loads(args.task_params),
+        steps=args.pretrain_steps,
+        seed=args.seed,
+    )
+    print(f"tiny model written to {args.out}")
+    return 0
+
+
+def _ensure_model(path: str, seed: int) -> str:
+    """Use ``path`` if it holds a model (or is a hub id); build the tiny model there if it is missing."""
+    p = Path(path)
+    if p.exists() or path != DEFAULT_MODEL_DIR:
+        return path
+    from heterorl.peer.model import build_tiny_model
+
+    logging.getLogger("heterorl").info("no model at %s: building the tiny offline model", path)
+    build_tiny_model(p, seed=seed)
+    return path
+
+
+def _train(args: argparse.Namespace) -> int:
+    if not args.local:
+        print(
+            "only --local training exists in this version (the swarm comes with `heterorl peer`)",
+            file=sys.stderr,
+        )
+        return 2
+    from heterorl.peer.train import LocalConfig, run_local
+
+    try:
+        obj_params = json.loads(args.objective_params) if args.objective_params else {}
+        cfg = LocalConfig(
+            model=_ensure_model(args.model, args.seed),
+            task=args.task,
+            task_params=json.loads(args.task_params),
+            objective=args.objective,
+            advantage=args.advantage,
+            steps=args.steps,
+            prompts_per_step=args.prompts,
+            group_size=args.group_size,
+            delay=args.delay,
+            lr=args.lr,
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            objective_params=obj_params,
+        )
+    except (ValueError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = run_local(cfg, args.out)
+    print(
+        f"reward: first 20 steps {summary['reward_first20']:.3f} -> last 20 steps "
+        f"{summary['reward_last20']:.3f}  ({summary['wall_s']:.0f} s); summary at {args.out}/summary.json"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="heterorl", description="Peer-to-peer RL post-training of LLMs.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    model = sub.add_parser("model", help="build or inspect models")
+    msub = model.add_subparsers(dest="model_cmd", required=True)
+    init = msub.add_parser("init", help="build the tiny offline model and tokenizer, briefly pre-trained")
+    init.add_argument("--out", default=DEFAULT_MODEL_DIR, help="output directory (HF format)")
+    init.add_argument("--task", default="arithmetic", help="task whose format it is pre-trained on")
+    init.add_argument("--task-params", default='{"digits": 1}', help="JSON of task parameters")
+    init.add_argument("--pretrain-steps", type=int, default=120, help="teacher-forced steps (batch 64)")
+    init.add_argument("--seed", type=int, default=0)
+    init.set_defaults(fn=_model_init)
+
+    tr = sub.add_parser("train", help="train a policy with RL")
+    tr.add_argument("--local", action="store_true", help="sample, reward and learn in this one process")
+    tr.add_argument(
+        "--model",
+        default=DEFAULT_MODEL_DIR,
+        help="HF model path or hub id (default: the tiny model, built if missing)",
+    )
+    tr.add_argument("--task", default="arithmetic", help="arithmetic | countdown | jsonl:PATH")
+    tr.add_argument("--task-params", default='{"digits": 1}', help="JSON of task parameters")
+    tr.add_argument("--objective", default="gepo", choices=OBJECTIVES)
+    tr.add_argument("--objective-params", default="", help='JSON of objective parameters, e.g. {"clip": 0.3}')
+    tr.add_argument("--advantage", default=None, help="grpo | dr_grpo | bnpo | rloo (default: objective's)")
+    tr.add_argument("--steps", type=int, default=200, help="learner updates")
+    tr.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    tr.add_argument("--group-size", type=int, default=8, help="responses per prompt")
+    tr.add_argument("--delay", type=int, default=0, help="rollouts come from the policy K versions old")
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--temperature", type=float, default=1.0)
+    tr.add_argument("--max-new-tokens", type=int, default=6)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--out", default="runs/local", help="metrics.jsonl, summary.json, checkpoint/")
+    tr.set_defaults(fn=_train)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Per-token log-probs of completions under a model: the learner's recompute and the sampler's record.
+
+Both sides use this one layout (left-padded prompt, completion, right padding; positions from the
+attention mask) and the same temperature, so behaviour and learner log-probs agree to float error.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def pack(
+    prompts: list[list[int]], completions: Tensor, completion_mask: Tensor, pad_id: int
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Build input ids [N, P+T], attention mask and position ids; returns them and P (prompt width)."""
+    n, t = completions.shape
+    width = max(map(len, prompts))
+    ids = torch.full((n, width + t), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, width + t), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) : width] = torch.tensor(p, dtype=torch.long)
+        attn[i, width - len(p) : width] = 1
+    ids[:, width:] = torch.where(completion_mask > 0, completions, torch.full_like(completions, pad_id))
+    attn[:, width:] = (completion_mask > 0).long()
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    return ids, attn, pos, width
+
+
+def completion_logprobs(
+    model,
+    prompts: list[list[int]],
+    completions: Tensor,
+    completion_mask: Tensor,
+    pad_id: int,
+    temperature: float = 1.0,
+) -> Tensor:
+    """log softmax(logits / temperature) of each completion token -> [N, T] (0 on padding)."""
+    ids, attn, pos, width = pack(prompts, completions, completion_mask, pad_id)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    t = completions.shape[1]
+    step_logits = logits[:, width - 1 : width - 1 + t].float() / temperature
+    logp = torch.log_softmax(step_logits, -1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+    return torch.where(completion_mask > 0, logp, torch.zeros_like(logp))

@@ -1,0 +1,40 @@
+"""What a rollout backend returns, and the interface every backend implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Rollouts:
+    """N completions: ids [N,T] (pad where mask is 0), mask [N,T] (incl. EOS), behaviour log-probs
+    [N,T] = log softmax(logits/temperature) of the sampled token (before top-p truncation), lengths [N]."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: Tensor
+    completion_mask: Tensor
+    logprobs: Tensor
+    lengths: Tensor
+    texts: list[str]
+
+
+class RolloutBackend(Protocol):
+    def generate(self, model, prompts: list[str], params: SamplingParams) -> Rollouts: ...

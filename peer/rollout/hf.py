@@ -1,0 +1,56 @@
+"""The ``hf`` rollout backend: batched sampling with ``transformers`` ``generate``.
+
+Behaviour log-probs are taken from the raw logits generate returns, divided by the temperature,
+so they equal what the learner recomputes with :func:`heterorl.peer.model.completion_logprobs`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Rollouts, SamplingParams
+
+
+class HFBackend:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    @torch.no_grad()
+    def generate(self, model, prompts: list[str], params: SamplingParams) -> Rollouts:
+        tok = self.tokenizer
+        bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+        prompt_ids = [bos + tok.encode(p, add_special_tokens=False) for p in prompts]
+        width = max(map(len, prompt_ids))
+        ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(prompt_ids):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            attn[i, width - len(p) :] = 1
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            do_sample=True,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        completions = out.sequences[:, width:]
+        logits = torch.stack(out.logits, 1).float()[:, : completions.shape[1]] / params.temperature
+        logp = torch.log_softmax(logits, -1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+        is_eos = completions == tok.eos_token_id
+        # a token is real up to and including the first EOS
+        after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+        mask = (~after_eos).long()
+        lengths = mask.sum(-1)
+        logp = torch.where(mask > 0, logp, torch.zeros_like(logp))
+        completions = torch.where(mask > 0, completions, torch.full_like(completions, tok.pad_token_id))
+        texts = [
+            tok.decode(c[:n][c[:n] != tok.eos_token_id].tolist())
+            for c, n in zip(completions, lengths, strict=True)
+        ]
+        return Rollouts(prompt_ids, completions, mask, logp, lengths, texts)
