@@ -19,7 +19,7 @@ def test_policy_lag_serves_k_versions_old():
     seen = []
     for step in range(5):
         model, version = lag.behaviour()
-        seen.append((version, float(model.weight)))
+        seen.append((version, float(model.weight.detach())))
         with torch.no_grad():
             policy.weight.fill_(step + 1.0)
         lag.step()
