@@ -10,17 +10,22 @@ import torch
 from torch import Tensor
 
 
+def left_pad(prompts: list[list[int]], pad_id: int, extra: int = 0) -> tuple[Tensor, Tensor, int]:
+    """Left-pad token lists into ids [N, W+extra] and attention mask; returns them and the width W."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width + extra), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) : width] = torch.tensor(p, dtype=torch.long)
+        attn[i, width - len(p) : width] = 1
+    return ids, attn, width
+
+
 def pack(
     prompts: list[list[int]], completions: Tensor, completion_mask: Tensor, pad_id: int
 ) -> tuple[Tensor, Tensor, Tensor, int]:
     """Build input ids [N, P+T], attention mask and position ids; returns them and P (prompt width)."""
-    n, t = completions.shape
-    width = max(map(len, prompts))
-    ids = torch.full((n, width + t), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width + t), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) : width] = torch.tensor(p, dtype=torch.long)
-        attn[i, width - len(p) : width] = 1
+    ids, attn, width = left_pad(prompts, pad_id, extra=completions.shape[1])
     ids[:, width:] = torch.where(completion_mask > 0, completions, torch.full_like(completions, pad_id))
     attn[:, width:] = (completion_mask > 0).long()
     pos = (attn.cumsum(-1) - 1).clamp_min(0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.logprobs import left_pad
 from .base import Rollouts, SamplingParams
 
 
@@ -20,12 +21,7 @@ class HFBackend:
         tok = self.tokenizer
         bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
         prompt_ids = [bos + tok.encode(p, add_special_tokens=False) for p in prompts]
-        width = max(map(len, prompt_ids))
-        ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, p in enumerate(prompt_ids):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            attn[i, width - len(p) :] = 1
+        ids, attn, width = left_pad(prompt_ids, tok.pad_token_id)
         out = model.generate(
             input_ids=ids,
             attention_mask=attn,
