@@ -7,9 +7,10 @@ import math
 import pytest
 import reference_objectives as ref
 import torch
-from heterorl.peer import objectives as obj
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from heterorl.peer import objectives as obj
 
 F64 = torch.float64
 TOL = {"rtol": 1e-5, "atol": 2e-6}

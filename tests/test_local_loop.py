@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import torch
+
 from heterorl.peer.train import LocalConfig, PolicyLag, run_local
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+
 from heterorl.peer.model import completion_logprobs, load_model
 from heterorl.peer.rollout import SamplingParams, make_backend
 from heterorl.peer.tasks import get_task

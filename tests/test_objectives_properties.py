@@ -8,9 +8,10 @@ import math
 import pytest
 import reference_objectives as ref
 import torch
-from heterorl.peer import objectives as obj
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from heterorl.peer import objectives as obj
 
 F64 = torch.float64
 REQUIRED = ["gepo", "gepo_plus", "grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "cispo", "topr", "gmpo"]

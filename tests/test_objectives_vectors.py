@@ -12,6 +12,7 @@ import math
 import pytest
 import reference_objectives as ref
 import torch
+
 from heterorl.peer import objectives as obj
 
 F64 = torch.float64

@@ -8,6 +8,9 @@ import sys
 import textwrap
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from heterorl.peer.tasks import (
     REWARDS,
     ArithmeticTask,
@@ -24,8 +27,6 @@ from heterorl.peer.tasks import (
     reward_names,
     task_names,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
 
