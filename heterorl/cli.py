@@ -76,6 +76,27 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from heterorl.protocol import load_identity, load_or_create_identity
+
+    try:
+        if args.keys_cmd == "new":
+            identity, created = load_or_create_identity(args.key)
+            if not created:
+                print(
+                    f"error: {args.key} exists already (public key {identity.public_key.hex()})",
+                    file=sys.stderr,
+                )
+                return 1
+        else:
+            identity = load_identity(args.key)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"public key: {identity.public_key.hex()}\nkey file:   {Path(args.key).expanduser()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="heterorl", description="Peer-to-peer RL post-training of LLMs.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -89,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--pretrain-steps", type=int, default=120, help="teacher-forced steps (batch 64)")
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(fn=_model_init)
+
+    keys = sub.add_parser("keys", help="this peer's Ed25519 identity")
+    ksub = keys.add_subparsers(dest="keys_cmd", required=True)
+    for name, text in (
+        ("new", "create a key file (mode 0600); refuses to overwrite"),
+        ("show", "print the public key of a key file"),
+    ):
+        kp = ksub.add_parser(name, help=text)
+        kp.add_argument("--key", default="~/.heterorl/identity.key", help="key file path")
+        kp.set_defaults(fn=_keys)
 
     tr = sub.add_parser("train", help="train a policy with RL")
     tr.add_argument("--local", action="store_true", help="sample, reward and learn in this one process")

@@ -1,3 +1,5 @@
-"""What crosses the wire: message schemas, codec, identities, DHT records (see DESIGN.md)."""
+"""What crosses the wire: identities and signatures now; message schemas, codec and DHT records next."""
 
-__all__: list[str] = []
+from .identity import Identity, load_identity, load_or_create_identity, save_identity, verify
+
+__all__ = ["Identity", "load_identity", "load_or_create_identity", "save_identity", "verify"]
