@@ -1,0 +1,192 @@
+"""Versioned, signed msgpack messages and the one strict decoder, :func:`decode`.
+
+Wire form: a msgpack map ``{"v": version, "type": name, "body": {...}, "author": pubkey, "sig": sig}``.
+The signature covers the canonical encoding of ``[v, type, body, author]`` (maps with sorted keys),
+so any changed byte of a signed field fails verification. Decoding checks, in this order: size cap,
+msgpack structure (no ext types, bounded containers), protocol version, message type, signature, the
+body's schema, then run id and vocabulary bounds when the caller gives them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from . import schema as s
+from .errors import ProtocolError
+from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, verify
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 16 << 20
+MAX_ROWS = 4096
+MAX_TOKENS = 32768
+MAX_TEXT = 4096
+BATCH_ID_BYTES = 16
+HASH_BYTES = 32
+
+_token_ids = s.array(s.integer(0, 1 << 31), MAX_TOKENS)
+_run_id = s.text(128)
+_key = s.binary(PUBLIC_KEY_BYTES, PUBLIC_KEY_BYTES)
+
+SCHEMAS: dict[str, s.Check] = {
+    "TrajectoryBatch": s.record(
+        {
+            "run_id": _run_id,
+            "batch_id": s.binary(BATCH_ID_BYTES, BATCH_ID_BYTES),
+            "policy_version": s.integer(0, 1 << 53),
+            "timestamp": s.number(0, 1e11),
+            "rows": s.array(
+                s.record(
+                    {
+                        "group": s.integer(0, MAX_ROWS),
+                        "prompt_ids": _token_ids,
+                        "completion_ids": _token_ids,
+                        "logprobs": s.array(s.number(hi=0.0), MAX_TOKENS),
+                        "reward": s.number(-1e6, 1e6),
+                    }
+                ),
+                MAX_ROWS,
+                min_len=1,
+            ),
+        }
+    ),
+    "CheckpointManifest": s.record(
+        {
+            "run_id": _run_id,
+            "version": s.integer(0, 1 << 53),
+            "parent_version": s.integer(-1, 1 << 53),
+            "chunk_hashes": s.array(s.binary(HASH_BYTES, HASH_BYTES), 1 << 16, min_len=1),
+            "total_size": s.integer(1, 1 << 45),
+            "dtype": s.text(16),
+        }
+    ),
+    "RunSpec": s.record(
+        {
+            "run_id": _run_id,
+            "model": s.text(MAX_TEXT),
+            "initial_checkpoint": s.binary(HASH_BYTES, HASH_BYTES),
+            "task": s.text(MAX_TEXT),
+            "reward": s.text(MAX_TEXT),
+            "objective": s.text(64),
+            "hyperparameters": s.text(MAX_TEXT),  # JSON text: a flat, schema-free bag kept opaque here
+            "sampling": s.record(
+                {
+                    "temperature": s.number(1e-6, 100.0),
+                    "top_p": s.number(1e-6, 1.0),
+                    "max_new_tokens": s.integer(1, MAX_TOKENS),
+                }
+            ),
+            "learner_keys": s.array(_key, 64, min_len=1),
+            "vocab_size": s.integer(1, 1 << 24),
+            "max_batch_rows": s.integer(1, MAX_ROWS),
+        }
+    ),
+    "Heartbeat": s.record(
+        {
+            "run_id": _run_id,
+            "role": s.text(16),
+            "state": s.text(64),
+            "policy_version": s.integer(-1, 1 << 53),
+            "tokens_per_s": s.number(0, 1e12),
+            "timestamp": s.number(0, 1e11),
+        }
+    ),
+    "Ack": s.record({"run_id": _run_id, "batch_id": s.binary(BATCH_ID_BYTES, BATCH_ID_BYTES)}),
+    "Reject": s.record(
+        {
+            "run_id": _run_id,
+            "batch_id": s.binary(0, BATCH_ID_BYTES),
+            "reason": s.text(512),
+            "retry_after_s": s.number(0, 3600),
+        }
+    ),
+}
+
+
+def _canonical(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _canonical(obj[k]) for k in sorted(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_canonical(x) for x in obj]
+    return obj
+
+
+def _signed_bytes(version: int, kind: str, body: dict, author: bytes) -> bytes:
+    return msgpack.packb(_canonical([version, kind, body, author]), use_bin_type=True)
+
+
+def encode(kind: str, body: dict, identity: Identity) -> bytes:
+    """Validate ``body`` against its schema, sign it with ``identity`` and pack it."""
+    if kind not in SCHEMAS:
+        raise ValueError(f"unknown message type {kind!r}; valid: {', '.join(SCHEMAS)}")
+    body = SCHEMAS[kind](body, kind)
+    author = identity.public_key
+    sig = identity.sign(_signed_bytes(PROTOCOL_VERSION, kind, body, author))
+    return msgpack.packb(
+        {"v": PROTOCOL_VERSION, "type": kind, "body": body, "author": author, "sig": sig}, use_bin_type=True
+    )
+
+
+def decode(
+    data: bytes, expected: str | None = None, *, run_id: str | None = None, vocab_size: int | None = None
+) -> tuple[str, dict, bytes]:
+    """Decode and verify a message; returns (type, body, author public key) or raises ProtocolError."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise ProtocolError("message must be bytes")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte cap")
+    try:
+        env = msgpack.unpackb(
+            bytes(data),
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_array_len=MAX_TOKENS * 2,
+            max_map_len=64,
+            max_str_len=MAX_TEXT * 4,
+            max_bin_len=1 << 20,
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises several unrelated types on malformed input
+        raise ProtocolError(f"not a well-formed message: {type(e).__name__}") from None
+    if not isinstance(env, dict) or set(env) != {"v", "type", "body", "author", "sig"}:
+        raise ProtocolError("not a message envelope")
+    if env["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {env['v']!r} not supported (this peer speaks {PROTOCOL_VERSION})"
+        )
+    kind = env["type"]
+    if kind not in SCHEMAS:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    if expected is not None and kind != expected:
+        raise ProtocolError(f"expected {expected}, got {kind}")
+    author = s.binary(PUBLIC_KEY_BYTES, PUBLIC_KEY_BYTES)(env["author"], "author")
+    sig = s.binary(SIGNATURE_BYTES, SIGNATURE_BYTES)(env["sig"], "sig")
+    if not isinstance(env["body"], dict):
+        raise ProtocolError("body: expected a map")
+    try:
+        signed = _signed_bytes(PROTOCOL_VERSION, kind, env["body"], author)
+    except (TypeError, ValueError):
+        raise ProtocolError("body cannot be canonicalised") from None
+    if not verify(author, sig, signed):
+        raise ProtocolError("bad signature")
+    body = SCHEMAS[kind](env["body"], kind)
+    if run_id is not None and body["run_id"] != run_id:
+        raise ProtocolError(f"message for run {body['run_id']!r}, this peer is in run {run_id!r}")
+    if kind == "TrajectoryBatch":
+        _check_rows(body["rows"], vocab_size)
+    return kind, body, author
+
+
+def _check_rows(rows: list[dict], vocab_size: int | None) -> None:
+    for i, row in enumerate(rows):
+        if len(row["logprobs"]) != len(row["completion_ids"]) or not row["completion_ids"]:
+            raise ProtocolError(
+                f"rows[{i}]: {len(row['logprobs'])} log-probs for "
+                f"{len(row['completion_ids'])} completion tokens"
+            )
+        if vocab_size is not None:
+            for field in ("prompt_ids", "completion_ids"):
+                if any(t >= vocab_size for t in row[field]):
+                    raise ProtocolError(f"rows[{i}].{field}: token id outside the vocabulary ({vocab_size})")

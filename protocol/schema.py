@@ -1,0 +1,86 @@
+"""A tiny declarative schema checker for decoded msgpack bodies: types, ranges, lengths, finiteness.
+
+Each check takes (value, path) and returns the value or raises :class:`ProtocolError` naming the path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from .errors import ProtocolError
+
+Check = Callable[[Any, str], Any]
+
+
+def integer(lo: int | None = None, hi: int | None = None) -> Check:
+    def check(v: Any, path: str) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ProtocolError(f"{path}: expected an integer, got {type(v).__name__}")
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise ProtocolError(f"{path}: {v} outside [{lo}, {hi}]")
+        return v
+
+    return check
+
+
+def number(lo: float | None = None, hi: float | None = None) -> Check:
+    def check(v: Any, path: str) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ProtocolError(f"{path}: expected a number, got {type(v).__name__}")
+        if not math.isfinite(v):
+            raise ProtocolError(f"{path}: not finite")
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise ProtocolError(f"{path}: {v} outside [{lo}, {hi}]")
+        return float(v)
+
+    return check
+
+
+def text(max_len: int) -> Check:
+    def check(v: Any, path: str) -> str:
+        if not isinstance(v, str):
+            raise ProtocolError(f"{path}: expected a string, got {type(v).__name__}")
+        if len(v) > max_len:
+            raise ProtocolError(f"{path}: longer than {max_len} characters")
+        return v
+
+    return check
+
+
+def binary(min_len: int = 0, max_len: int = 1 << 20) -> Check:
+    def check(v: Any, path: str) -> bytes:
+        if not isinstance(v, bytes):
+            raise ProtocolError(f"{path}: expected bytes, got {type(v).__name__}")
+        if not min_len <= len(v) <= max_len:
+            raise ProtocolError(f"{path}: length {len(v)} outside [{min_len}, {max_len}]")
+        return v
+
+    return check
+
+
+def array(item: Check, max_len: int, min_len: int = 0) -> Check:
+    def check(v: Any, path: str) -> list:
+        if not isinstance(v, (list, tuple)):
+            raise ProtocolError(f"{path}: expected a list, got {type(v).__name__}")
+        if not min_len <= len(v) <= max_len:
+            raise ProtocolError(f"{path}: {len(v)} items, allowed [{min_len}, {max_len}]")
+        return [item(x, f"{path}[{i}]") for i, x in enumerate(v)]
+
+    return check
+
+
+def record(fields: dict[str, Check]) -> Check:
+    """A map with exactly these string keys."""
+
+    def check(v: Any, path: str) -> dict:
+        if not isinstance(v, dict):
+            raise ProtocolError(f"{path}: expected a map, got {type(v).__name__}")
+        keys = set(v)
+        if keys != set(fields):
+            missing, extra = sorted(set(fields) - keys), sorted(map(str, keys - set(fields)))
+            raise ProtocolError(f"{path}: missing {missing or '-'}, unexpected {extra or '-'}")
+        return {k: c(v[k], f"{path}.{k}") for k, c in fields.items()}
+
+    return check
