@@ -53,3 +53,17 @@ def test_keys_cli(tmp_path):
     assert show.returncode == 0 and load_identity(key).public_key.hex() in show.stdout
     again = subprocess.run([*run, "new", "--key", str(key)], capture_output=True, text=True)
     assert again.returncode == 1 and "exists already" in again.stderr
+
+
+def test_non_ed25519_key_file_is_refused(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    pem = ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    path = tmp_path / "ec.key"
+    path.write_bytes(pem)
+    os.chmod(path, 0o600)
+    with pytest.raises(ValueError, match="not an Ed25519 key"):
+        load_identity(path)

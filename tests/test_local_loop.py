@@ -89,3 +89,8 @@ def test_every_package_folder_is_installed():
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder).parts
             assert ".".join((top, *rel)) in listed, f"{init.parent} is not in pyproject packages"
+
+
+def test_cli_train_without_local_says_so():
+    out = subprocess.run([sys.executable, "-m", "heterorl", "train"], capture_output=True, text=True)
+    assert out.returncode == 2 and "only --local" in out.stderr
