@@ -28,6 +28,8 @@ HASH_BYTES = 32
 _token_ids = s.array(s.integer(0, 1 << 31), MAX_TOKENS)
 _run_id = s.text(128)
 _key = s.binary(PUBLIC_KEY_BYTES, PUBLIC_KEY_BYTES)
+_peer_id = s.text(128)  # libp2p peer id, base58
+_maddrs = s.array(s.text(256), 16)
 
 SCHEMAS: dict[str, s.Check] = {
     "TrajectoryBatch": s.record(
@@ -59,6 +61,7 @@ SCHEMAS: dict[str, s.Check] = {
             "chunk_hashes": s.array(s.binary(HASH_BYTES, HASH_BYTES), 1 << 16, min_len=1),
             "total_size": s.integer(1, 1 << 45),
             "dtype": s.text(16),
+            "chunk_bytes": s.integer(4096, 64 << 20),  # all chunks but the last; see checkpoint.py
         }
     ),
     "RunSpec": s.record(
@@ -89,6 +92,20 @@ SCHEMAS: dict[str, s.Check] = {
             "state": s.text(64),
             "policy_version": s.integer(-1, 1 << 53),
             "tokens_per_s": s.number(0, 1e12),
+            "timestamp": s.number(0, 1e11),
+            "peer_id": _peer_id,
+            "maddrs": _maddrs,
+            "hardware": s.text(256),
+        }
+    ),
+    # "I hold chunks of this checkpoint version; fetch them from me" (complete: every chunk held).
+    "Provider": s.record(
+        {
+            "run_id": _run_id,
+            "version": s.integer(0, 1 << 53),
+            "peer_id": _peer_id,
+            "maddrs": _maddrs,
+            "complete": s.boolean(),
             "timestamp": s.number(0, 1e11),
         }
     ),

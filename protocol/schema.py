@@ -38,6 +38,15 @@ def number(lo: float | None = None, hi: float | None = None) -> Check:
     return check
 
 
+def boolean() -> Check:
+    def check(v: Any, path: str) -> bool:
+        if not isinstance(v, bool):
+            raise ProtocolError(f"{path}: expected true or false, got {type(v).__name__}")
+        return v
+
+    return check
+
+
 def text(max_len: int) -> Check:
     def check(v: Any, path: str) -> str:
         if not isinstance(v, str):
