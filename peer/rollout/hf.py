@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..model.logprobs import left_pad
+from ..model.text import completion_text
 from .base import Rollouts, SamplingParams
 
 
@@ -45,8 +46,5 @@ class HFBackend:
         lengths = mask.sum(-1)
         logp = torch.where(mask > 0, logp, torch.zeros_like(logp))
         completions = torch.where(mask > 0, completions, torch.full_like(completions, tok.pad_token_id))
-        texts = [
-            tok.decode(c[:n][c[:n] != tok.eos_token_id].tolist())
-            for c, n in zip(completions, lengths, strict=True)
-        ]
+        texts = [completion_text(tok, c[:n].tolist()) for c, n in zip(completions, lengths, strict=True)]
         return Rollouts(prompt_ids, completions, mask, logp, lengths, texts)

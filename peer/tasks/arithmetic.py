@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+import re
 
 from ._params import check_int, check_str
 from .base import Example, RewardFn, Task
 
 ALLOWED_OPS = "+-*"
+_PROMPT_RE = re.compile(r"(\d{1,9})([+*-])(\d{1,9})=")
 
 
 def arithmetic_exact(prompt: str, completion: str, reference: str) -> float:
@@ -37,6 +39,15 @@ class ArithmeticTask(Task):
             a, b = b, a
         value = a + b if op == "+" else a - b if op == "-" else a * b
         return Example(prompt=f"{a}{op}{b}=", reference=str(value), solution=str(value))
+
+    def reference_for(self, prompt: str) -> str | None:
+        m = _PROMPT_RE.fullmatch(prompt)
+        if m is None or m.group(2) not in self.ops:
+            return None
+        a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+        if max(a, b) >= 10**self.digits or (op == "-" and a < b):
+            return None
+        return str(a + b if op == "+" else a - b if op == "-" else a * b)
 
     def alphabet(self) -> str:
         return "".join(sorted(set("0123456789=" + self.ops)))

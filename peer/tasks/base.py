@@ -48,5 +48,11 @@ class Task(abc.ABC):
         return value
 
     @abc.abstractmethod
+    def reference_for(self, prompt: str) -> str | None:
+        """The reference answer for `prompt`, recomputed from the prompt text alone, or None if `prompt` is
+        not one of this task's. A learner uses it to re-score a sampler's completions instead of trusting the
+        sampler's reward."""
+
+    @abc.abstractmethod
     def alphabet(self) -> str:
         """Sorted, de-duplicated characters that prompts and solutions can contain."""

@@ -102,5 +102,14 @@ class CountdownTask(Task):
             items = [it for k, it in enumerate(items) if k not in (i, j)] + [(value, left + op + right, prec)]
         return items[0][0], items[0][1]
 
+    def reference_for(self, prompt: str) -> str | None:
+        m = _PROMPT_RE.fullmatch(prompt)
+        numbers = parse_prompt(prompt) if m else None
+        if numbers is None or len(numbers) != self.n_numbers:
+            return None
+        if not all(1 <= n <= self.max_number for n in numbers):
+            return None
+        return str(int(m.group(2)))
+
     def alphabet(self) -> str:
         return "".join(sorted(set("0123456789 >:()" + self.ops)))

@@ -85,6 +85,11 @@ class JsonlTask(Task):
     def sample(self, rng: random.Random) -> Example:
         return self.examples[rng.randrange(len(self.examples))]
 
+    def reference_for(self, prompt: str) -> str | None:
+        if not hasattr(self, "_by_prompt"):
+            self._by_prompt = {ex.prompt: ex.reference for ex in self.examples}
+        return self._by_prompt.get(prompt)
+
     def alphabet(self) -> str:
         chars = {c for ex in self.examples for c in ex.prompt + ex.reference + ex.solution}
         return "".join(sorted(chars))
