@@ -1,0 +1,250 @@
+"""The learner's durable ledger of accepted TrajectoryBatch messages: dedupe, replay, apply-exactly-once.
+
+Delivery from samplers is at-least-once (their :class:`~.outbox.Outbox` resends until it sees an Ack), so the
+learner must recognise a batch it already has. :meth:`AcceptedLog.accept` commits the batch (its signed wire
+bytes, as received) before the receiver sends the Ack; a batch is therefore never acknowledged and lost,
+and a resend after a lost Ack is answered "already have it" by :meth:`AcceptedLog.seen` / ``accept``.
+
+One sqlite3 file in WAL mode with ``synchronous=FULL`` and its own ``application_id`` (distinct from the
+outbox's, so opening the wrong file fails clearly). Each batch moves from *pending* (accepted, not yet
+trained on) to *applied at learner step N* via :meth:`~AcceptedLog.mark_applied`. A learner that restarts
+from a checkpoint taken at step N calls ``pending(applied_after=N)``: batches applied after its last saved
+state are un-marked and handed back with the never-applied ones, so none is lost and none is applied twice.
+:meth:`~AcceptedLog.prune_applied` drops the payloads of batches no checkpoint restart can need any more but
+keeps their ids, so dedupe still holds.
+
+Pure storage: no sockets, no asyncio. Every operation holds one lock, so an ``asyncio.to_thread`` worker and
+the main thread may share an instance. Not here: flow control (the receiver's ``has_room``), decoding or
+verifying the batches (see :mod:`.messages`, :mod:`.trajectories`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .sqlite_util import open_store, transaction
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+APPLICATION_ID = 0x48524C47  # "HRLG": tells a ledger file from an outbox ("HROB") or any other sqlite file
+
+_SCHEMA = """
+CREATE TABLE batches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    batch_id BLOB NOT NULL UNIQUE,
+    author BLOB NOT NULL,
+    policy_version INTEGER NOT NULL,
+    data BLOB,
+    size INTEGER NOT NULL,
+    received_at REAL NOT NULL,
+    applied_step INTEGER
+);
+CREATE INDEX batches_applied_step ON batches (applied_step);
+CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+"""
+# data is NULL (and size 0) once pruned; applied_step is NULL while the batch is pending.
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerItem:
+    """One accepted batch; ``data`` is its signed wire bytes (``b""`` once pruned)."""
+
+    batch_id: bytes
+    author: bytes
+    policy_version: int
+    data: bytes
+    received_at: float
+    applied_step: int | None
+
+
+_ITEM_COLUMNS = "batch_id, author, policy_version, coalesce(data, x''), received_at, applied_step"
+
+
+class AcceptedLog:
+    """Append-only on-disk record of accepted batches, keyed by batch id, with their applied/pending state."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = open_store(self.path, APPLICATION_ID, SCHEMA_VERSION, _SCHEMA)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the file; idempotent. Every accepted batch is already on disk."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __enter__(self) -> AcceptedLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _txn(self) -> Iterator[sqlite3.Connection]:
+        """Hold the lock and one ``BEGIN IMMEDIATE`` transaction; commit on success, roll back on error."""
+        with self._lock:
+            if self._conn is None:
+                raise RuntimeError(f"ledger {self.path} is closed")
+            with transaction(self._conn) as conn:
+                yield conn
+
+    # -- receiving -----------------------------------------------------------------------------------------
+
+    def accept(
+        self, batch_id: bytes, author: bytes, policy_version: int, data: bytes, received_at: float
+    ) -> bool:
+        """Durably record a batch (committed before return). True if new, False if ``batch_id`` was present.
+
+        A duplicate leaves the stored batch as it was (first copy wins) and is counted.
+        """
+        batch_id, author, data = bytes(batch_id), bytes(author), bytes(data)
+        if not batch_id:
+            raise ValueError("batch_id must be non-empty")
+        with self._txn() as conn:
+            fresh = (
+                conn.execute(
+                    "INSERT OR IGNORE INTO batches"
+                    " (batch_id, author, policy_version, data, size, received_at) VALUES (?, ?, ?, ?, ?, ?)",
+                    (batch_id, author, int(policy_version), data, len(data), float(received_at)),
+                ).rowcount
+                > 0
+            )
+            if not fresh:
+                self._bump(conn, "duplicates")
+        return fresh
+
+    def seen(self, batch_id: bytes) -> bool:
+        """Whether ``batch_id`` was ever accepted (pruned batches included)."""
+        with self._txn() as conn:
+            row = conn.execute("SELECT 1 FROM batches WHERE batch_id = ?", (bytes(batch_id),)).fetchone()
+        return row is not None
+
+    def get(self, batch_id: bytes) -> LedgerItem | None:
+        """The stored batch, or None if never accepted."""
+        with self._txn() as conn:
+            row = conn.execute(
+                f"SELECT {_ITEM_COLUMNS} FROM batches WHERE batch_id = ?", (bytes(batch_id),)
+            ).fetchone()
+        return None if row is None else LedgerItem(*row)
+
+    # -- applying ------------------------------------------------------------------------------------------
+
+    def mark_applied(self, batch_ids: Iterable[bytes], step: int) -> int:
+        """Mark pending batches as applied at learner step ``step``, all in one transaction.
+
+        Returns how many were marked; ids unknown or already applied are left alone (not counted).
+        """
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        ids = [(step, bytes(b)) for b in batch_ids]
+        with self._txn() as conn:
+            marked = 0
+            for params in ids:
+                marked += conn.execute(
+                    "UPDATE batches SET applied_step = ? WHERE batch_id = ? AND applied_step IS NULL", params
+                ).rowcount
+        return marked
+
+    def pending(self, applied_after: int | None = None) -> list[LedgerItem]:
+        """Accepted but not applied batches, oldest (first accepted) first.
+
+        With ``applied_after=N`` (a learner resuming from its checkpoint at step N), every batch applied at a
+        step > N is first un-marked, in the same transaction, so it is returned for replay. A batch whose
+        payload was already pruned cannot be replayed: it stays marked, and a warning is logged (prune only
+        below the oldest checkpoint a restart may use).
+        """
+        with self._txn() as conn:
+            if applied_after is not None:
+                after = int(applied_after)
+                conn.execute(
+                    "UPDATE batches SET applied_step = NULL WHERE applied_step > ? AND data IS NOT NULL",
+                    (after,),
+                )
+                lost = conn.execute(
+                    "SELECT count(*) FROM batches WHERE applied_step > ? AND data IS NULL", (after,)
+                ).fetchone()[0]
+                if lost:
+                    log.warning(
+                        "ledger %s: %d batches applied after step %d were pruned and cannot be replayed",
+                        self.path,
+                        lost,
+                        after,
+                    )
+            rows = conn.execute(
+                f"SELECT {_ITEM_COLUMNS} FROM batches WHERE applied_step IS NULL ORDER BY seq"
+            ).fetchall()
+        return [LedgerItem(*row) for row in rows]
+
+    def prune_applied(self, before_step: int) -> int:
+        """Drop the payloads of batches applied at a step < ``before_step``; keep their ids for dedupe.
+
+        Returns how many payloads were dropped. The file's freed pages are reused by later batches.
+        """
+        with self._txn() as conn:
+            return conn.execute(
+                "UPDATE batches SET data = NULL, size = 0 WHERE applied_step < ? AND data IS NOT NULL",
+                (int(before_step),),
+            ).rowcount
+
+    # -- introspection -----------------------------------------------------------------------------------
+
+    def count(self) -> int:
+        """Batches ever accepted (pruned ones included)."""
+        with self._txn() as conn:
+            return conn.execute("SELECT count(*) FROM batches").fetchone()[0]
+
+    def __len__(self) -> int:
+        return self.count()
+
+    def applied_count(self) -> int:
+        """Batches marked applied (pruned ones included)."""
+        with self._txn() as conn:
+            return conn.execute("SELECT count(*) FROM batches WHERE applied_step IS NOT NULL").fetchone()[0]
+
+    def applied_ids(self, step: int | None = None) -> list[bytes]:
+        """Ids of the applied batches (only those applied at ``step`` if given), oldest first."""
+        with self._txn() as conn:
+            if step is None:
+                rows = conn.execute(
+                    "SELECT batch_id FROM batches WHERE applied_step IS NOT NULL ORDER BY seq"
+                ).fetchall()
+            else:
+                rows = conn.execute(
+                    "SELECT batch_id FROM batches WHERE applied_step = ? ORDER BY seq", (int(step),)
+                ).fetchall()
+        return [row[0] for row in rows]
+
+    def stats(self) -> dict[str, int]:
+        """Counts under ``ledger/…`` keys; ``duplicates`` is a persisted lifetime counter."""
+        with self._txn() as conn:
+            accepted, applied, stored = conn.execute(
+                "SELECT count(*), count(applied_step), coalesce(sum(size), 0) FROM batches"
+            ).fetchone()
+            row = conn.execute("SELECT value FROM counters WHERE name = 'duplicates'").fetchone()
+        return {
+            "ledger/accepted": accepted,
+            "ledger/duplicates": 0 if row is None else row[0],
+            "ledger/applied": applied,
+            "ledger/pending": accepted - applied,
+            "ledger/bytes": stored,
+        }
+
+    @staticmethod
+    def _bump(conn: sqlite3.Connection, name: str, by: int = 1) -> None:
+        conn.execute(
+            "INSERT INTO counters (name, value) VALUES (?, ?)"
+            " ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+            (name, by),
+        )
