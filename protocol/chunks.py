@@ -1,0 +1,331 @@
+"""Checkpoint distribution over libp2p streams: serve held chunks, fetch a version from many providers.
+
+Wire protocol ``/heterorl/chunks/1`` on one stream, any number of rounds:
+
+- request frame: msgpack ``{"hashes": [h, ...]}`` with at most :data:`MAX_HASHES_PER_REQUEST` 32-byte hashes;
+- one reply frame per requested hash, in order: ``b"\\x00" + chunk`` when held, ``b"\\x01"`` when not.
+
+The fetcher knows each chunk's exact length from the signed manifest, so every reply is read under a cap of
+that length plus one byte; a chunk that does not hash to the manifest bans its provider for this download and
+the chunk is fetched elsewhere. Chunks are stored as they arrive, so an interrupted download resumes with
+what is missing, and a chunk already held (say from the parent version) is never fetched again. The
+manifest enters the store last, after every chunk verified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+
+import msgpack
+
+from .checkpoint import check_manifest, chunk_length, verify_chunk
+from .dht import checkpoints_key, providers_key
+from .errors import ProtocolError
+from .framing import FrameError, read_frame, write_frame
+from .messages import HASH_BYTES, decode
+from .node import Node
+from .store import ChunkStore
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/heterorl/chunks/1"
+MAX_HASHES_PER_REQUEST = 16
+MAX_REQUEST_BYTES = 64 + MAX_HASHES_PER_REQUEST * (HASH_BYTES + 2)
+REQUEST_IDLE_S = 60.0
+HELD, NOT_HELD = b"\x00", b"\x01"
+
+
+class FetchError(RuntimeError):
+    """A checkpoint version could not be fetched (no honest provider held some chunk in time)."""
+
+
+class UploadLimit:
+    """Token bucket shared by all of a server's streams: a volunteer's upload cap in bytes per second."""
+
+    def __init__(self, bytes_per_s: float, burst_s: float = 0.25):
+        if bytes_per_s <= 0:
+            raise ValueError("upload limit must be positive")
+        self.rate, self.capacity = bytes_per_s, bytes_per_s * burst_s
+        self.tokens, self.stamp = self.capacity, time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def take(self, n: int) -> None:
+        async with self._lock:  # FIFO among streams
+            now = time.monotonic()
+            self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            self.tokens -= n
+            if self.tokens < 0:
+                await asyncio.sleep(-self.tokens / self.rate)
+
+
+class ChunkServer:
+    """Serves every chunk its store holds, to anyone: chunks are content-addressed, so nothing to forge.
+
+    ``upload_bytes_per_s`` caps what this peer uploads in total (None: no cap).
+    """
+
+    def __init__(self, store: ChunkStore, upload_bytes_per_s: float | None = None):
+        self.store = store
+        self.limit = UploadLimit(upload_bytes_per_s) if upload_bytes_per_s else None
+        self.bytes_served = 0
+        self.requests = 0
+
+    async def attach(self, node: Node) -> None:
+        await node.add_handler(PROTOCOL, self.handle)
+
+    async def handle(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                frame = await read_frame(reader, MAX_REQUEST_BYTES, REQUEST_IDLE_S)
+            except EOFError:
+                return
+            hashes = _parse_request(frame)
+            self.requests += 1
+            for h in hashes:
+                data = await asyncio.to_thread(self.store.get, h)
+                if data is None:
+                    await write_frame(writer, NOT_HELD)
+                else:
+                    if self.limit is not None:
+                        await self.limit.take(len(data))
+                    await write_frame(writer, HELD + data)
+                    self.bytes_served += len(data)
+
+    def stats(self) -> dict[str, int]:
+        return {"net/chunk_bytes_served": self.bytes_served, "net/chunk_requests": self.requests}
+
+
+def _parse_request(frame: bytes) -> list[bytes]:
+    try:
+        req = msgpack.unpackb(frame, raw=False, max_ext_len=0, max_array_len=MAX_HASHES_PER_REQUEST)
+    except Exception:
+        raise ProtocolError("chunk request is not well-formed msgpack") from None
+    if not isinstance(req, dict) or set(req) != {"hashes"} or not isinstance(req["hashes"], list):
+        raise ProtocolError("chunk request must be {'hashes': [...]}")
+    hashes = req["hashes"]
+    if not 1 <= len(hashes) <= MAX_HASHES_PER_REQUEST:
+        raise ProtocolError(f"chunk request with {len(hashes)} hashes")
+    if not all(isinstance(h, bytes) and len(h) == HASH_BYTES for h in hashes):
+        raise ProtocolError("chunk request hashes must be 32-byte strings")
+    return hashes
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    peer_id: str
+    maddrs: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class FetchReport:
+    """What one download did: bytes over the wire vs. reused, per provider, who was caught serving garbage."""
+
+    version: int
+    total_bytes: int
+    fetched_bytes: int = 0
+    reused_bytes: int = 0
+    chunks_fetched: int = 0
+    seconds: float = 0.0
+    from_provider: dict[str, int] = dataclasses.field(default_factory=dict)
+    bad_providers: list[str] = dataclasses.field(default_factory=list)
+
+
+def verify_manifest(raw: bytes, run_id: str, learner_keys: Iterable[bytes]) -> tuple[dict, bytes]:
+    """Decode a CheckpointManifest and refuse it unless a learner the RunSpec allows signed it."""
+    _, body, author = decode(raw, expected="CheckpointManifest", run_id=run_id)
+    if author not in set(learner_keys):
+        raise ProtocolError("checkpoint manifest not signed by a learner this run allows")
+    check_manifest(body)
+    return body, author
+
+
+async def latest_manifest(
+    node: Node, run_id: str, learner_keys: Iterable[bytes], min_version: int = 0
+) -> tuple[bytes, dict] | None:
+    """The newest CheckpointManifest in the DHT signed by an allowed learner (``>= min_version``), or None.
+
+    Records from other authors are skipped (and logged); nothing unverified is returned.
+    """
+    keys = set(learner_keys)
+    best: tuple[bytes, dict] | None = None
+    for r in await node.lookup(checkpoints_key(run_id)):
+        try:
+            body, _ = verify_manifest(r.raw, run_id, keys)
+        except ProtocolError as e:
+            log.warning("ignored a checkpoint manifest from %s: %s", r.author.hex()[:12], e)
+            continue
+        if body["version"] >= min_version and (best is None or body["version"] > best[1]["version"]):
+            best = (r.raw, body)
+    return best
+
+
+async def find_providers(node: Node, run_id: str, version: int) -> list[Provider]:
+    records = await node.lookup(providers_key(run_id, version))
+    out = [
+        Provider(r.body["peer_id"], tuple(r.body["maddrs"]))
+        for r in records
+        if r.kind == "Provider" and r.body["version"] == version and r.body["peer_id"] != node.peer_id
+    ]
+    random.shuffle(out)  # spread load: every fetcher picking the same first provider is no swarm
+    return out
+
+
+async def fetch_checkpoint(
+    node: Node,
+    store: ChunkStore,
+    manifest_raw: bytes,
+    *,
+    run_id: str,
+    learner_keys: Iterable[bytes],
+    providers: list[Provider] | None = None,
+    streams_per_provider: int = 2,
+    chunks_per_request: int = 4,
+    timeout: float = 600.0,
+    request_timeout: float = 60.0,
+    progress: Callable[[FetchReport, int], None] | None = None,
+) -> FetchReport:
+    """Fetch every chunk of a signed manifest that ``store`` lacks, then store the manifest.
+
+    Providers come from the DHT (``providers`` overrides, for tests). ``progress(report, bytes_to_fetch)``
+    is called after every stored chunk (on the network loop: keep it quick). Raises ProtocolError for a
+    manifest the run does not allow, FetchError when chunks stay unavailable until ``timeout``.
+    """
+    body, _ = verify_manifest(manifest_raw, run_id, learner_keys)
+    version = body["version"]
+    start = time.monotonic()
+    missing = await asyncio.to_thread(store.missing, body)
+    report = FetchReport(version=version, total_bytes=body["total_size"])
+    report.reused_bytes = body["total_size"] - sum(chunk_length(body, i) for i in missing)
+    to_fetch = report.total_bytes - report.reused_bytes
+    todo: collections.deque[int] = collections.deque(missing)
+    banned: set[str] = set()
+    lacks: dict[str, set[int]] = collections.defaultdict(set)
+    backoff = 0.5
+    announced = False
+
+    async def worker(p: Provider) -> None:
+        nonlocal announced
+        reader = writer = None
+        try:
+            while p.peer_id not in banned:
+                take = _take(todo, lacks[p.peer_id], chunks_per_request)
+                if not take:
+                    return
+                try:
+                    if writer is None:
+                        reader, writer = await asyncio.wait_for(
+                            node.open_stream(p.peer_id, PROTOCOL, p.maddrs), request_timeout
+                        )
+                    await write_frame(
+                        writer, msgpack.packb({"hashes": [body["chunk_hashes"][i] for i in take]})
+                    )
+                    for n, i in enumerate(take):
+                        reply = await read_frame(reader, chunk_length(body, i) + 1, request_timeout)
+                        if reply[:1] == NOT_HELD and len(reply) == 1:
+                            lacks[p.peer_id].add(i)
+                            todo.append(i)
+                            take[n] = -1
+                            continue
+                        if reply[:1] != HELD or not verify_chunk(body, i, reply[1:]):
+                            raise ProtocolError(f"chunk {i} does not hash to the manifest")
+                        await asyncio.to_thread(store.put, body["chunk_hashes"][i], reply[1:])
+                        report.fetched_bytes += len(reply) - 1
+                        report.chunks_fetched += 1
+                        report.from_provider[p.peer_id] = (
+                            report.from_provider.get(p.peer_id, 0) + len(reply) - 1
+                        )
+                        take[n] = -1
+                        if progress is not None:
+                            progress(report, to_fetch)
+                        if not announced:
+                            announced = True
+                            node.spawn(_announce(node, run_id, version, complete=False))
+                except ProtocolError as e:
+                    if isinstance(e, FrameError) and e.kind != "oversized":  # crashed or slow, not hostile
+                        log.info("provider %s: %s; trying others", p.peer_id[-8:], e)
+                        lacks[p.peer_id].update(i for i in take if i >= 0)
+                    else:
+                        if p.peer_id not in banned:  # its other streams stop at their next request
+                            log.warning("provider %s served bad data (%s); routed around", p.peer_id[-8:], e)
+                            banned.add(p.peer_id)
+                            report.bad_providers.append(p.peer_id)
+                    todo.extend(i for i in take if i >= 0)
+                    return
+                except Exception as e:  # unreachable, stream reset, daemon error: try the others
+                    log.info("provider %s unreachable (%s: %s)", p.peer_id[-8:], type(e).__name__, e)
+                    lacks[p.peer_id].update(i for i in take if i >= 0)
+                    todo.extend(i for i in take if i >= 0)
+                    return
+        finally:
+            if writer is not None:
+                writer.close()
+
+    while todo:
+        if time.monotonic() - start > timeout:
+            raise FetchError(f"version {version}: {len(todo)} chunks still missing after {timeout:g} s")
+        found = providers if providers is not None else await find_providers(node, run_id, version)
+        live = [p for p in found if p.peer_id not in banned]
+        for p in live:  # a new round: forgive misses, holders may have fetched more since
+            lacks[p.peer_id].clear()
+        before = len(todo)
+        if live:
+            await asyncio.gather(*(worker(p) for p in live for _ in range(streams_per_provider)))
+        if todo and len(todo) >= before:
+            log.info(
+                "version %d: %d chunks not available yet from %d providers; retrying",
+                version,
+                len(todo),
+                len(live),
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
+    still = await asyncio.to_thread(store.missing, body)
+    if still:
+        raise FetchError(
+            f"version {version}: chunks {still[:5]} missing after the download"
+        )  # store evicted?
+    await asyncio.to_thread(store.add_manifest, manifest_raw, body)
+    report.seconds = time.monotonic() - start
+    await _announce(node, run_id, version, complete=True)
+    return report
+
+
+def _take(todo: collections.deque[int], lacks: set[int], k: int) -> list[int]:
+    take, skipped = [], []
+    while todo and len(take) < k:
+        i = todo.popleft()
+        (skipped if i in lacks else take).append(i)
+    todo.extend(skipped)
+    return take
+
+
+async def _announce(node: Node, run_id: str, version: int, *, complete: bool) -> None:
+    try:
+        await node.publish(
+            "Provider",
+            {
+                "run_id": run_id,
+                "version": version,
+                "peer_id": node.peer_id,
+                "maddrs": await node.addresses(),
+                "complete": complete,
+                "timestamp": time.time(),
+            },
+        )
+    except Exception as e:
+        log.warning("could not announce version %d as a provider: %s", version, e)
+
+
+async def publish_checkpoint(node: Node, store: ChunkStore, manifest_raw: bytes, body: dict) -> None:
+    """Learner side: chunks into the store first, then the provider record, then the manifest (last)."""
+    await asyncio.to_thread(store.add_manifest, manifest_raw, body)
+    await _announce(node, body["run_id"], body["version"], complete=True)
+    if not await node.publish_message(manifest_raw):
+        raise RuntimeError(f"the DHT did not store the manifest of version {body['version']}")

@@ -1,0 +1,296 @@
+"""A peer's presence on the network: one go-libp2p daemon, one hivemind DHT node, our stream handlers.
+
+Everything network-side runs on a private asyncio loop in a background thread, so that a peer's main
+thread can spend seconds in torch (generation, a learner step) while its DHT node keeps answering and its
+chunk server keeps serving. Callers use :meth:`Node.call` (run a coroutine there and wait) or
+:meth:`Node.spawn` (a background task the node owns and cancels at :meth:`Node.close`).
+
+Layering (STYLE.md §5): hivemind P2P streams → :mod:`.framing` → typed services (:mod:`.chunks`,
+:mod:`.trajectories`) → peer logic in ``heterorl.peer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
+
+from .dht import MAX_TTL_S, SignedRecordValidator, record_key
+from .errors import ProtocolError
+from .identity import Identity
+from .messages import decode, encode
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class NetConfig:
+    """How a peer joins the swarm; each field is a CLI flag of the peer daemons.
+
+    bootstrap: multiaddrs (``/ip4/…/tcp/…/p2p/<peer id>``) of peers in the swarm; empty starts one.
+    host_maddrs: where to listen; port 0 picks a free port (several peers on one host need no setup).
+    announce_maddrs: addresses to advertise instead (a public IP behind port forwarding).
+    client_mode: join without serving the DHT (for peers behind NAT that others cannot dial).
+    use_relay: allow reaching (and being reached) through libp2p circuit relays.
+    use_auto_relay: look for relays and become reachable through them when behind NAT.
+    startup_timeout: seconds the libp2p daemon may take to start before we give up and say so.
+    """
+
+    bootstrap: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = DEFAULT_HOST_MADDRS
+    announce_maddrs: tuple[str, ...] = ()
+    client_mode: bool = False
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    startup_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.startup_timeout <= 0:
+            raise ValueError("startup_timeout must be positive")
+        for m in (*self.bootstrap, *self.host_maddrs, *self.announce_maddrs):
+            if not isinstance(m, str) or not m.startswith("/"):
+                raise ValueError(
+                    f"{m!r} is not a multiaddr (they look like /ip4/1.2.3.4/tcp/31337/p2p/12D3…)"
+                )
+        for m in self.bootstrap:
+            if "/p2p/" not in m:
+                raise ValueError(f"bootstrap address {m!r} lacks the /p2p/<peer id> part")
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One verified DHT record: its author's key, the message kind and body, and the raw signed message."""
+
+    author: bytes
+    kind: str
+    body: dict
+    raw: bytes
+    expiration_time: float
+
+
+class Node:
+    """Create with :meth:`Node.start`; close with :meth:`Node.close` (idempotent)."""
+
+    def __init__(self, identity: Identity, config: NetConfig):
+        self.identity = identity
+        self.config = config
+        self.validator = SignedRecordValidator(identity)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="heterorl-net", daemon=True)
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+        self.p2p: Any = None
+        self.dht: Any = None
+        self.peer_id = ""
+        self._addresses: list[str] = []
+
+    @classmethod
+    def start(cls, identity: Identity, config: NetConfig | None = None) -> Node:
+        """Start the daemon and join the DHT; raises RuntimeError saying what failed."""
+        self = cls(identity, config or NetConfig())
+        self._thread.start()
+        try:
+            self.call(self._astart(), timeout=self.config.startup_timeout * 2 + 30)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    async def _astart(self) -> None:
+        from hivemind.dht.node import DHTNode
+        from hivemind.p2p import P2P
+
+        c = self.config
+        try:
+            self.p2p = await P2P.create(
+                initial_peers=list(c.bootstrap) or None,
+                host_maddrs=list(c.host_maddrs),
+                announce_maddrs=list(c.announce_maddrs) or None,
+                dht_mode="client" if c.client_mode else "server",
+                use_relay=c.use_relay,
+                use_auto_relay=c.use_auto_relay,
+                startup_timeout=c.startup_timeout,
+            )
+        except Exception as e:
+            raise RuntimeError(f"the libp2p daemon did not start: {e}") from e
+        try:
+            self.dht = await DHTNode.create(
+                p2p=self.p2p,
+                initial_peers=list(c.bootstrap) or None,
+                client_mode=c.client_mode,
+                record_validator=self.validator,
+                ensure_bootstrap_success=True,
+            )
+        except Exception as e:
+            await self.p2p.shutdown()
+            failed = ", ".join(c.bootstrap) or "-"
+            raise RuntimeError(f"could not join the DHT through {failed}: {e}") from e
+        self.peer_id = self.p2p.peer_id.to_base58()
+
+    # ---- running things on the network loop ----
+
+    def call(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        """Run ``coro`` on the network loop and return its result (from any other thread)."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("node is closed")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"network call did not finish in {timeout} s") from None
+
+    def spawn(self, coro: Coroutine) -> concurrent.futures.Future:
+        """Run ``coro`` as a background task owned by this node (cancelled at close)."""
+
+        async def owned() -> Any:
+            task = asyncio.current_task()
+            self._tasks.add(task)
+            try:
+                return await coro
+            finally:
+                self._tasks.discard(task)
+
+        return asyncio.run_coroutine_threadsafe(owned(), self._loop)
+
+    @property
+    def maddrs(self) -> list[str]:
+        """Addresses other peers can use to reach (and bootstrap through) this node."""
+        addrs = self.call(self.p2p.get_visible_maddrs(latest=True), timeout=30)
+        return [f"{a}/p2p/{self.peer_id}" if "/p2p/" not in str(a) else str(a) for a in addrs]
+
+    def plain_maddrs(self) -> list[str]:
+        """Listening addresses without the /p2p suffix (what goes into Heartbeat and Provider records)."""
+        return self.call(self.addresses(), timeout=30)
+
+    # ---- DHT records ----
+
+    async def publish(self, kind: str, body: dict, ttl_s: float | None = None) -> bool:
+        """Sign ``body`` as a ``kind`` message and store it under its run key in our own subkey."""
+        return await self.publish_message(encode(kind, body, self.identity), ttl_s)
+
+    async def publish_message(self, message: bytes, ttl_s: float | None = None) -> bool:
+        """Store a message this node signed (e.g. a manifest kept as bytes) under the key it belongs to."""
+        from hivemind.utils import get_dht_time
+
+        kind, body, author = decode(message)
+        if author != self.identity.public_key:
+            raise ValueError("a node publishes only messages it signed itself")
+        ttl = min(ttl_s or MAX_TTL_S[kind], MAX_TTL_S[kind])
+        ok = await self.dht.store(record_key(kind, body), message, get_dht_time() + ttl, subkey=author)
+        return bool(ok)
+
+    async def addresses(self) -> list[str]:
+        """Our listening multiaddrs without the /p2p suffix (what Heartbeat and Provider records carry)."""
+        if not self._addresses:
+            addrs = await self.p2p.get_visible_maddrs(latest=True)
+            self._addresses = [str(a).split("/p2p/")[0] for a in addrs]
+        return list(self._addresses)
+
+    async def lookup(self, key: str) -> list[Record]:
+        """All current records under ``key``, each re-verified; refused ones are dropped and logged."""
+        found = await self.dht.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = []
+        for subkey, item in found.value.items():
+            try:
+                if not isinstance(item.value, bytes):
+                    raise ProtocolError("record value is not a message")
+                kind, body, author = decode(item.value)
+                if author != subkey:
+                    raise ProtocolError("record author differs from its subkey")
+                out.append(Record(author, kind, body, item.value, item.expiration_time))
+            except ProtocolError as e:
+                log.warning("ignored a DHT record under %s: %s", key, e)
+        return out
+
+    # ---- streams ----
+
+    async def add_handler(self, name: str, handler: StreamHandler) -> None:
+        """Serve protocol ``name``; ``handler(remote_peer_id, reader, writer)``, closing the stream after."""
+
+        async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            remote = info.peer_id.to_base58()
+            try:
+                await handler(remote, reader, writer)
+            except (EOFError, ConnectionError, asyncio.IncompleteReadError):
+                pass
+            except ProtocolError as e:
+                log.info("%s: stream from %s refused: %s", name, remote[-8:], e)
+            except Exception:
+                log.exception("%s: handler failed on a stream from %s", name, remote[-8:])
+            finally:
+                writer.close()
+
+        await self.p2p.add_binary_stream_handler(name, on_stream)
+
+    async def open_stream(
+        self, peer_id: str, name: str, maddrs: Sequence[str] = ()
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Open a stream to ``peer_id`` for protocol ``name``, dialling ``maddrs`` first when given."""
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        pid = PeerID.from_base58(peer_id)
+        if maddrs:
+            try:
+                await self.p2p._client.connect(
+                    pid, [Multiaddr(m) for m in maddrs]
+                )  # no public connect in P2P
+            except Exception as e:
+                log.debug("dialling %s at %s failed: %s", peer_id[-8:], list(maddrs), e)
+        _, reader, writer = await self.p2p.call_binary_stream_handler(pid, name)
+        return reader, writer
+
+    # ---- lifecycle ----
+
+    def close(self) -> None:
+        """Stop background tasks, leave the DHT, stop the daemon and the loop thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            fut = asyncio.run_coroutine_threadsafe(self._aclose(), self._loop)
+            try:
+                fut.result(20)
+            except Exception as e:
+                log.warning("network shutdown was not clean: %s", e)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+    async def _aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+        if self.dht is not None:
+            try:
+                await asyncio.wait_for(self.dht.shutdown(), 10)
+            except Exception as e:
+                log.debug("DHT shutdown: %s", e)
+        if self.p2p is not None:
+            await self.p2p.shutdown()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in others:  # hivemind's own background jobs
+            t.cancel()
+        if others:
+            await asyncio.wait(others, timeout=5)
+
+    def __enter__(self) -> Node:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
