@@ -1,0 +1,313 @@
+"""Trajectory delivery: samplers stream signed TrajectoryBatches to learners, learners answer Ack or Reject.
+
+Wire protocol ``/heterorl/trajectories/1`` on one long-lived stream: the sampler writes one frame holding a
+signed TrajectoryBatch message, the learner answers with one frame holding its signed Ack or Reject for that
+batch id, and so on. Delivery is at-least-once from the sampler (its :class:`~.outbox.Outbox` keeps a batch
+on disk until acknowledged, retrying with backoff) and exactly-once at the learner (its
+:class:`~.ledger.AcceptedLog` dedupes by batch id and is written before the Ack goes out).
+
+A Reject with ``retry_after_s > 0`` is flow control ("my buffer is full, come back later"): the sampler keeps
+the batch and waits that long. A Reject with ``retry_after_s == 0`` is final (malformed, wrong run, bad
+signature, rewards that do not recompute): the sampler drops the batch and logs the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from .dht import peers_key
+from .errors import ProtocolError
+from .framing import FrameError, read_frame, write_frame
+from .identity import Identity
+from .ledger import AcceptedLog
+from .messages import BATCH_ID_BYTES, MAX_MESSAGE_BYTES, decode, encode
+from .node import Node
+from .outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/heterorl/trajectories/1"
+REPLY_MAX_BYTES = 4096
+STREAM_IDLE_S = 300.0
+DEFAULT_RETRY_AFTER_S = 2.0
+LEARNER_REFRESH_S = 10.0
+LATENCY_SAMPLES = 2048
+
+Admit = Callable[[dict, bytes], str | None]
+"""Learner-side check of a decoded batch body and its author: None to accept, or the reason to refuse."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Learner:
+    key: bytes
+    peer_id: str
+    maddrs: tuple[str, ...]
+
+
+class TrajectoryReceiver:
+    """Learner side: validate, dedupe, log durably, then acknowledge.
+
+    ``admit`` runs the learner's own checks (reward recomputation); ``on_accept(body, author, raw)`` hands an
+    accepted batch to the training buffer; ``has_room()`` says whether the buffer has room (flow control).
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        run_id: str,
+        ledger: AcceptedLog,
+        *,
+        vocab_size: int | None = None,
+        admit: Admit | None = None,
+        on_accept: Callable[[dict, bytes, bytes], None] | None = None,
+        has_room: Callable[[], bool] = lambda: True,
+        retry_after_s: float = DEFAULT_RETRY_AFTER_S,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ):
+        self.identity, self.run_id, self.ledger = identity, run_id, ledger
+        self.vocab_size, self.admit, self.on_accept, self.has_room = vocab_size, admit, on_accept, has_room
+        self.retry_after_s, self.max_message_bytes = retry_after_s, max_message_bytes
+        self.accepted = 0
+        self.duplicates = 0
+        self.deferred = 0
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.strikes: collections.Counter[str] = collections.Counter()  # refusals per author (hex key / peer)
+        self.bytes_received = 0
+
+    async def attach(self, node: Node) -> None:
+        await node.add_handler(PROTOCOL, self.handle)
+
+    async def handle(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                frame = await read_frame(reader, self.max_message_bytes, STREAM_IDLE_S)
+            except EOFError:
+                return
+            except FrameError as e:
+                self._refuse(f"peer:{remote}", "frame", e)
+                if e.kind == "oversized":  # cannot resynchronise after an unread payload
+                    await write_frame(writer, self._reply(b"", f"refused: {e}", 0.0))
+                return
+            self.bytes_received += len(frame)
+            await write_frame(writer, await self._process(remote, frame))
+
+    async def _process(self, remote: str, frame: bytes) -> bytes:
+        try:
+            _, body, author = decode(frame, "TrajectoryBatch", run_id=self.run_id, vocab_size=self.vocab_size)
+        except ProtocolError as e:
+            self._refuse(f"peer:{remote}", "malformed", e)
+            return self._reply(b"", f"refused: {e}", 0.0)
+        batch_id = body["batch_id"]
+        if await asyncio.to_thread(self.ledger.seen, batch_id):
+            self.duplicates += 1
+            return self._reply(batch_id, None)
+        if not self.has_room():
+            self.deferred += 1
+            return self._reply(batch_id, "buffer full", self.retry_after_s)
+        if self.admit is not None:
+            reason = await asyncio.to_thread(self.admit, body, author)
+            if reason is not None:
+                self._refuse(author.hex(), "admit", reason)
+                return self._reply(batch_id, f"refused: {reason}", 0.0)
+        fresh = await asyncio.to_thread(
+            self.ledger.accept, batch_id, author, body["policy_version"], frame, time.time()
+        )
+        if fresh:
+            self.accepted += 1
+            if self.on_accept is not None:
+                self.on_accept(body, author, frame)
+        else:
+            self.duplicates += 1
+        return self._reply(batch_id, None)
+
+    def _refuse(self, who: str, category: str, reason: object) -> None:
+        self.rejected[category] += 1
+        self.strikes[who] += 1
+        log.warning("refused a trajectory batch from %s: %s", who[:16], reason)
+
+    def _reply(self, batch_id: bytes, reason: str | None, retry_after_s: float = 0.0) -> bytes:
+        if reason is None:
+            return encode("Ack", {"run_id": self.run_id, "batch_id": batch_id}, self.identity)
+        body = {
+            "run_id": self.run_id,
+            "batch_id": batch_id,
+            "reason": reason[:512],
+            "retry_after_s": retry_after_s,
+        }
+        return encode("Reject", body, self.identity)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "net/batches_accepted": self.accepted,
+            "net/batches_duplicate": self.duplicates,
+            "net/batches_deferred": self.deferred,
+            "net/batches_rejected": sum(self.rejected.values()),
+            "net/bytes_received": self.bytes_received,
+        }
+
+
+async def find_learners(node: Node, run_id: str, learner_keys: Iterable[bytes]) -> list[Learner]:
+    """Learners announce themselves with Heartbeat records (role "learner"); keep those the run allows."""
+    allowed = set(learner_keys)
+    return [
+        Learner(r.author, r.body["peer_id"], tuple(r.body["maddrs"]))
+        for r in await node.lookup(peers_key(run_id))
+        if r.kind == "Heartbeat" and r.body["role"] == "learner" and r.author in allowed
+    ]
+
+
+class TrajectorySender:
+    """Sampler side: drain the outbox to the run's learners; retry, back off and obey flow control.
+
+    Run :meth:`run` as a node-owned task (``node.spawn(sender.run())``); call :meth:`notify` after putting
+    into the outbox to wake it. ``learners`` overrides the DHT lookup (tests).
+    """
+
+    def __init__(
+        self,
+        node: Node,
+        outbox: Outbox,
+        run_id: str,
+        learner_keys: Iterable[bytes],
+        *,
+        learners: list[Learner] | None = None,
+        request_timeout: float = 30.0,
+    ):
+        self.node, self.outbox, self.run_id = node, outbox, run_id
+        self.learner_keys = list(learner_keys)
+        self._fixed = learners
+        self.request_timeout = request_timeout
+        self._wake = asyncio.Event()
+        self._streams: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+        self._learners: list[Learner] = []
+        self._learners_at = 0.0
+        self._next = 0
+        self.sent = 0
+        self.acked = 0
+        self.rejected = 0
+        self.deferred = 0
+        self.failures = 0
+        self.bytes_sent = 0
+        self.latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_SAMPLES)
+        self.state = "idle"
+
+    def notify(self) -> None:
+        """Wake the sender (thread-safe); call after outbox.put."""
+        self.node._loop.call_soon_threadsafe(self._wake.set)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                wait = await asyncio.to_thread(self.outbox.next_due_in)
+                if wait is None or wait > 0:
+                    self.state = "idle" if wait is None else "waiting for retry"
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), timeout=wait if wait is not None else 5.0)
+                    continue
+                await self.send_due()
+        finally:
+            for _, w in self._streams.values():
+                w.close()
+
+    async def send_due(self) -> int:
+        """Send every due outbox item once; returns how many were acknowledged."""
+        items = await asyncio.to_thread(self.outbox.due, 16)
+        acked = 0
+        for item in items:
+            learners = await self._current_learners()
+            if not learners:
+                self.state = "waiting for a learner"
+                await asyncio.to_thread(self.outbox.retry, item.batch_id)
+                continue
+            learner = learners[self._next % len(learners)]
+            self._next += 1
+            self.state = "sending"
+            acked += await self._send_one(learner, item.batch_id, item.data)
+        return acked
+
+    async def _send_one(self, learner: Learner, batch_id: bytes, data: bytes) -> int:
+        start = time.monotonic()
+        try:
+            reader, writer = await self._stream(learner)
+            await write_frame(writer, data)
+            reply = await read_frame(reader, REPLY_MAX_BYTES, self.request_timeout)
+            kind, body, author = decode(reply, run_id=self.run_id)
+            if author != learner.key or kind not in ("Ack", "Reject"):
+                raise ProtocolError("reply not an Ack or Reject signed by that learner")
+            if body["batch_id"] not in (batch_id, b""):
+                raise ProtocolError("reply for another batch")
+        except Exception as e:  # learner gone, stream broken, garbage reply: keep the batch, back off
+            self.failures += 1
+            self._drop_stream(learner)
+            self._learners_at = 0.0  # look the learners up again
+            delay = await asyncio.to_thread(self.outbox.retry, batch_id)
+            log.info(
+                "batch %s not delivered (%s: %s); retry in %.1f s",
+                batch_id.hex()[:8],
+                type(e).__name__,
+                e,
+                delay,
+            )
+            return 0
+        self.sent += 1
+        self.bytes_sent += len(data)
+        if kind == "Ack":
+            self.acked += 1
+            self.latencies.append(time.monotonic() - start)
+            await asyncio.to_thread(self.outbox.ack, batch_id)
+            return 1
+        if body["retry_after_s"] > 0:
+            self.deferred += 1
+            self.state = "learner busy"
+            await asyncio.to_thread(self.outbox.retry, batch_id, retry_after_s=body["retry_after_s"])
+            return 0
+        self.rejected += 1
+        log.warning("learner rejected batch %s: %s", batch_id.hex()[:8], body["reason"])
+        await asyncio.to_thread(self.outbox.reject, batch_id, body["reason"])
+        return 0
+
+    async def _current_learners(self) -> list[Learner]:
+        if self._fixed is not None:
+            return self._fixed
+        if time.monotonic() - self._learners_at > LEARNER_REFRESH_S or not self._learners:
+            try:
+                self._learners = await find_learners(self.node, self.run_id, self.learner_keys)
+            except Exception as e:
+                log.info("learner lookup failed: %s", e)
+            self._learners_at = time.monotonic()
+        return self._learners
+
+    async def _stream(self, learner: Learner) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if learner.peer_id not in self._streams:
+            self._streams[learner.peer_id] = await asyncio.wait_for(
+                self.node.open_stream(learner.peer_id, PROTOCOL, learner.maddrs), self.request_timeout
+            )
+        return self._streams[learner.peer_id]
+
+    def _drop_stream(self, learner: Learner) -> None:
+        pair = self._streams.pop(learner.peer_id, None)
+        if pair is not None:
+            pair[1].close()
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "net/batches_sent": self.sent,
+            "net/batches_acked": self.acked,
+            "net/batches_rejected": self.rejected,
+            "net/batches_deferred": self.deferred,
+            "net/send_failures": self.failures,
+            "net/bytes_sent": self.bytes_sent,
+        }
+
+
+def new_batch_id() -> bytes:
+    import os
+
+    return os.urandom(BATCH_ID_BYTES)
