@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import time
 
 import msgpack
@@ -154,7 +155,13 @@ class SignedRecordValidator(RecordValidatorBase):
             raise ProtocolError("message author differs from the record owner")
         if key_id(record_key(kind, body)) != record.key:
             raise ProtocolError(f"{kind} stored under a key it does not belong to")
-        if record.expiration_time > self._clock() + MAX_TTL_S[kind] + CLOCK_SKEW_S:
+        try:
+            expiration = float(record.expiration_time)
+        except (TypeError, ValueError, OverflowError):
+            raise ProtocolError("expiration is not a number") from None
+        if not math.isfinite(expiration):
+            raise ProtocolError("expiration is not a finite number")
+        if not expiration <= self._clock() + MAX_TTL_S[kind] + CLOCK_SKEW_S:
             raise ProtocolError(f"expiration too far ahead for a {kind}")
         return kind, body, author
 

@@ -121,6 +121,26 @@ SCHEMAS: dict[str, s.Check] = {
 }
 
 
+MAX_NESTING = 16  # our schemas nest 4 deep; anything deeper is refused before recursion can blow up
+
+
+def _nesting_depth_ok(obj: Any, limit: int = MAX_NESTING) -> bool:
+    """Iteratively check that ``obj`` nests at most ``limit`` containers deep (no recursion)."""
+    stack = [(obj, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth >= limit:
+            return False
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list, tuple)))
+    return True
+
+
 def _canonical(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _canonical(obj[k]) for k in sorted(obj)}
@@ -169,13 +189,18 @@ def decode(
         raise ProtocolError(f"not a well-formed message: {type(e).__name__}") from None
     if not isinstance(env, dict) or set(env) != {"v", "type", "body", "author", "sig"}:
         raise ProtocolError("not a message envelope")
-    if env["v"] != PROTOCOL_VERSION:
+    if not _nesting_depth_ok(env):
+        raise ProtocolError(f"message nests deeper than {MAX_NESTING} levels")
+    version = env["v"]
+    if type(version) is not int or version != PROTOCOL_VERSION:  # 1.0 and True compare equal to 1
+        shown = repr(version) if type(version) in (int, str) else type(version).__name__
         raise ProtocolError(
-            f"protocol version {env['v']!r} not supported (this peer speaks {PROTOCOL_VERSION})"
+            f"protocol version {shown[:40]} not supported (this peer speaks {PROTOCOL_VERSION})"
         )
     kind = env["type"]
-    if kind not in SCHEMAS:
-        raise ProtocolError(f"unknown message type {kind!r}")
+    if not isinstance(kind, str) or kind not in SCHEMAS:
+        shown = repr(kind[:40]) if isinstance(kind, str) else type(kind).__name__
+        raise ProtocolError(f"unknown message type {shown}")
     if expected is not None and kind != expected:
         raise ProtocolError(f"expected {expected}, got {kind}")
     author = s.binary(PUBLIC_KEY_BYTES, PUBLIC_KEY_BYTES)(env["author"], "author")
