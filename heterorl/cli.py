@@ -143,7 +143,23 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", default="runs/local", help="metrics.jsonl, summary.json, checkpoint/")
     tr.set_defaults(fn=_train)
+
+    bench = sub.add_parser("bench", help="benchmarks that print their figures")
+    bsub = bench.add_subparsers(dest="bench_cmd", required=True)
+    for name, module, text in (
+        ("network", "network", "checkpoint propagation, delta bytes, trajectory latency on loopback"),
+        ("fuzz", "fuzz", "fuzz the wire decoders with malformed inputs (default 100 000)"),
+    ):
+        bp = bsub.add_parser(name, help=text, description=text)
+        _bench_module(module).add_arguments(bp)
+        bp.set_defaults(fn=lambda args, module=module: _bench_module(module).run_from_args(args))
     return ap
+
+
+def _bench_module(name: str):
+    import importlib
+
+    return importlib.import_module(f"heterorl.bench.{name}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,18 @@
-"""What crosses the wire: identities, signed msgpack messages and their strict decoder.
+"""What crosses the wire, and nothing else: identities, messages, DHT records, checkpoint and trajectory
+streams.
 
-DHT records, checkpoint chunks and trajectory streams are to come (issue 3).
+Layers, bottom up (each module's docstring says more):
+
+- :mod:`.identity` Ed25519 keys; :mod:`.messages` signed versioned msgpack and the one strict :func:`decode`;
+  :mod:`.schema` the checks it applies;
+- :mod:`.framing` length-capped frames on libp2p streams; :mod:`.dht` signed, schema-checked DHT records
+  (a hivemind ``RecordValidator``); :mod:`.node` one go-libp2p daemon + hivemind DHT node per peer;
+- :mod:`.checkpoint` + :mod:`.store` content-addressed chunks and manifests on disk; :mod:`.chunks` swarm
+  fetch/serve of checkpoint versions;
+- :mod:`.outbox` (sampler) + :mod:`.ledger` (learner) durable queues; :mod:`.trajectories` batch delivery
+  with Ack/Reject and flow control.
+
+Heavy modules (hivemind, sqlite stores) are imported from their own submodules, not from here.
 """
 
 from .errors import ProtocolError

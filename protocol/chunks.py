@@ -190,6 +190,7 @@ async def fetch_checkpoint(
     timeout: float = 600.0,
     request_timeout: float = 60.0,
     progress: Callable[[FetchReport, int], None] | None = None,
+    refresh_s: float = 1.0,
 ) -> FetchReport:
     """Fetch every chunk of a signed manifest that ``store`` lacks, then store the manifest.
 
@@ -267,25 +268,59 @@ async def fetch_checkpoint(
             if writer is not None:
                 writer.close()
 
-    while todo:
-        if time.monotonic() - start > timeout:
-            raise FetchError(f"version {version}: {len(todo)} chunks still missing after {timeout:g} s")
-        found = providers if providers is not None else await find_providers(node, run_id, version)
-        live = [p for p in found if p.peer_id not in banned]
-        for p in live:  # a new round: forgive misses, holders may have fetched more since
-            lacks[p.peer_id].clear()
-        before = len(todo)
-        if live:
-            await asyncio.gather(*(worker(p) for p in live for _ in range(streams_per_provider)))
-        if todo and len(todo) >= before:
-            log.info(
-                "version %d: %d chunks not available yet from %d providers; retrying",
-                version,
-                len(todo),
-                len(live),
-            )
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
+    # Workers run per provider; every `refresh_s` (sooner when nothing runs) the DHT is asked again, so
+    # peers that began fetching this version after us start serving us their chunks mid-download.
+    running: collections.Counter[str] = collections.Counter()
+    tasks: set[asyncio.Task] = set()
+
+    async def run_worker(p: Provider) -> None:
+        try:
+            await worker(p)
+        finally:
+            running[p.peer_id] -= 1
+
+    next_lookup, fetched_at_lookup = 0.0, -1
+    try:
+        while todo or tasks:
+            now = time.monotonic()
+            if now - start > timeout:
+                raise FetchError(f"version {version}: {len(todo)} chunks still missing after {timeout:g} s")
+            if todo and now >= next_lookup:
+                found = providers if providers is not None else await find_providers(node, run_id, version)
+                live = [p for p in found if p.peer_id not in banned]
+                for p in live:
+                    if running[p.peer_id] >= streams_per_provider:
+                        continue
+                    lacks[p.peer_id].clear()  # forgive misses: holders may have fetched more since
+                    for _ in range(streams_per_provider - running[p.peer_id]):
+                        running[p.peer_id] += 1
+                        tasks.add(asyncio.ensure_future(run_worker(p)))
+                stalled = report.chunks_fetched == fetched_at_lookup
+                fetched_at_lookup = report.chunks_fetched
+                if stalled and not any(running.values()):
+                    log.info(
+                        "version %d: %d chunks not available yet from %d providers; retrying in %.1f s",
+                        version,
+                        len(todo),
+                        len(live),
+                        backoff,
+                    )
+                    next_lookup = time.monotonic() + backoff
+                    backoff = min(backoff * 2, 10.0)
+                else:
+                    next_lookup = time.monotonic() + refresh_s
+                    backoff = 0.5
+            wait_s = max(0.0, next_lookup - time.monotonic())
+            if tasks:
+                done, _ = await asyncio.wait(tasks, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+                tasks -= done
+                for t in done:
+                    t.result()  # workers catch what they expect; anything else is a bug worth raising
+            elif todo:
+                await asyncio.sleep(wait_s)
+    finally:
+        for t in tasks:
+            t.cancel()
     still = await asyncio.to_thread(store.missing, body)
     if still:
         raise FetchError(

@@ -194,7 +194,9 @@ class TrajectorySender:
         self.deferred = 0
         self.failures = 0
         self.bytes_sent = 0
+        # round trip of the Ack, and outbox put → Ack (queueing and retries included; wall clock)
         self.latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_SAMPLES)
+        self.delivery_latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_SAMPLES)
         self.state = "idle"
 
     def notify(self) -> None:
@@ -229,10 +231,10 @@ class TrajectorySender:
             learner = learners[self._next % len(learners)]
             self._next += 1
             self.state = "sending"
-            acked += await self._send_one(learner, item.batch_id, item.data)
+            acked += await self._send_one(learner, item.batch_id, item.data, item.created_at)
         return acked
 
-    async def _send_one(self, learner: Learner, batch_id: bytes, data: bytes) -> int:
+    async def _send_one(self, learner: Learner, batch_id: bytes, data: bytes, created_at: float) -> int:
         start = time.monotonic()
         try:
             reader, writer = await self._stream(learner)
@@ -261,6 +263,7 @@ class TrajectorySender:
         if kind == "Ack":
             self.acked += 1
             self.latencies.append(time.monotonic() - start)
+            self.delivery_latencies.append(max(0.0, time.time() - created_at))
             await asyncio.to_thread(self.outbox.ack, batch_id)
             return 1
         if body["retry_after_s"] > 0:

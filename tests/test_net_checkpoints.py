@@ -155,3 +155,12 @@ def test_manifest_not_signed_by_an_allowed_learner_is_refused(bootstrap_node, tm
     assert bootstrap_node.call(latest_manifest(bootstrap_node, run, [learner.public_key])) is None
     found = bootstrap_node.call(latest_manifest(bootstrap_node, run, [bootstrap_node.identity.public_key]))
     assert found is not None and found[1]["version"] == 1
+
+
+def test_client_mode_peer_fetches_without_serving_the_dht(bootstrap_node, peers, tmp_path, run):
+    """A peer behind NAT (--client-mode, --no-relay here) still finds the manifest and fetches the chunks."""
+    seed, ready = _seed(peers, bootstrap_node, tmp_path, run, "--size-mb", "1", "--chunk-kb", "64")
+    v1 = seed.wait_event("published")
+    f = _fetch(peers, bootstrap_node, run, tmp_path / "nat", ready["key"], "--latest", "1", "--client-mode")
+    got = f.wait_event("fetched", 120)
+    assert got["sha256"] == v1["sha256"] and got["fetched_bytes"] == v1["total_size"]

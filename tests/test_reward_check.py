@@ -24,8 +24,9 @@ def _jsonl(tmp_path):
     return JsonlTask(path)
 
 
-@pytest.mark.parametrize("make", [lambda p: ArithmeticTask(digits=2, ops="+-*"), lambda p: CountdownTask(),
-                                  _jsonl])
+@pytest.mark.parametrize(
+    "make", [lambda p: ArithmeticTask(digits=2, ops="+-*"), lambda p: CountdownTask(), _jsonl]
+)
 def test_reference_for_recovers_every_sampled_reference(make, tmp_path):
     task = make(tmp_path)
     rng = random.Random(3)
@@ -72,8 +73,13 @@ def _body(task, tok, n: int, seed: int = 0, correct_frac: float = 0.5):
         completion_ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id, tok.pad_token_id]
         reward = task.reward(ex.prompt, text, ex.reference)
         rows.append(
-            {"group": i // 2, "prompt_ids": prompt_ids, "completion_ids": completion_ids,
-             "logprobs": [-1.0] * len(completion_ids), "reward": reward}
+            {
+                "group": i // 2,
+                "prompt_ids": prompt_ids,
+                "completion_ids": completion_ids,
+                "logprobs": [-1.0] * len(completion_ids),
+                "reward": reward,
+            }
         )
     return {"rows": rows}
 

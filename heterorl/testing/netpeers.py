@@ -28,9 +28,10 @@ def emit(event: str, **fields: object) -> None:
 
 
 def _node(args, identity):
-    from heterorl.protocol.node import NetConfig, Node
+    from heterorl.netflags import net_config_from_args
+    from heterorl.protocol.node import Node
 
-    return Node.start(identity, NetConfig(bootstrap=tuple(args.bootstrap)))
+    return Node.start(identity, net_config_from_args(args))
 
 
 def _identity(path: str | None):
@@ -140,7 +141,12 @@ def cmd_fetch(args) -> None:
         try:
             report = node.call(
                 fetch_checkpoint(
-                    node, store, raw, run_id=args.run, learner_keys=learner_keys, timeout=args.timeout,
+                    node,
+                    store,
+                    raw,
+                    run_id=args.run,
+                    learner_keys=learner_keys,
+                    timeout=args.timeout,
                     progress=progress,
                 ),
             )
@@ -265,18 +271,25 @@ def cmd_sampler(args) -> None:
     deadline = time.time() + args.timeout
     while len(outbox) and time.time() < deadline:
         time.sleep(0.1)
-    lat = sorted(sender.latencies)
+    rtt, delivery = sorted(sender.latencies), sorted(sender.delivery_latencies)
     emit(
         "done",
         pending=len(outbox),
         **sender.stats(),
-        p50=lat[len(lat) // 2] if lat else None,
-        p99=lat[int(len(lat) * 0.99)] if lat else None,
-        payload_bytes=args.rows * args.tokens * 12,
+        rtt_p50=_quantile(rtt, 0.5),
+        rtt_p99=_quantile(rtt, 0.99),
+        p50=_quantile(delivery, 0.5),
+        p99=_quantile(delivery, 0.99),
+        # the same rows as flat int32 token ids + float32 log-probs + float32 reward, no framing
+        payload_bytes=args.rows * (len(row["prompt_ids"]) * 4 + len(row["completion_ids"]) * 8 + 4),
     )
     task.cancel()
     node.close()
     outbox.close()
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    return xs[min(len(xs) - 1, int(len(xs) * q))] if xs else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -288,8 +301,10 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="role", required=True)
 
     def common(sp):
+        from heterorl.netflags import add_net_arguments
+
         sp.add_argument("--run", default="test-run")
-        sp.add_argument("--bootstrap", nargs="*", default=[])
+        add_net_arguments(sp)
         sp.add_argument("--key", default=None, help="identity key file (default: a fresh key)")
         sp.add_argument("--log", default="WARNING")
         return sp
