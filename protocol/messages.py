@@ -9,6 +9,7 @@ body's schema, then run id and vocabulary bounds when the caller gives them.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgpack
@@ -23,6 +24,7 @@ MAX_ROWS = 4096
 MAX_TOKENS = 32768
 MAX_TEXT = 4096
 BATCH_ID_BYTES = 16
+MAX_STATS = 64
 HASH_BYTES = 32
 
 _token_ids = s.array(s.integer(0, 1 << 31), MAX_TOKENS)
@@ -96,6 +98,8 @@ SCHEMAS: dict[str, s.Check] = {
             "peer_id": _peer_id,
             "maddrs": _maddrs,
             "hardware": s.text(256),
+            # what the peer wants the swarm's view to show: learner step, reward, ESS, staleness buckets...
+            "stats": s.array(s.record({"name": s.text(32), "value": s.number(-1e15, 1e15)}), MAX_STATS),
         }
     ),
     # "I hold chunks of this checkpoint version; fetch them from me" (complete: every chunk held).
@@ -139,6 +143,16 @@ def _nesting_depth_ok(obj: Any, limit: int = MAX_NESTING) -> bool:
             return False
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list, tuple)))
     return True
+
+
+def pack_stats(stats: dict[str, float]) -> list[dict]:
+    """A Heartbeat's ``stats`` field from a flat name → number map (finite values only, sorted, capped)."""
+    items = [(k[:32], float(v)) for k, v in sorted(stats.items()) if v is not None and math.isfinite(v)]
+    return [{"name": k, "value": max(-1e15, min(1e15, v))} for k, v in items[:MAX_STATS]]
+
+
+def unpack_stats(stats: list[dict]) -> dict[str, float]:
+    return {item["name"]: item["value"] for item in stats}
 
 
 def _canonical(obj: Any) -> Any:

@@ -36,6 +36,7 @@ def heartbeat(**over):
         "peer_id": "12D3KooWAlice",
         "maddrs": ["/ip4/127.0.0.1/tcp/1"],
         "hardware": "cpu",
+        "stats": [],
     }
     body.update(over)
     return body

@@ -64,6 +64,7 @@ def test_non_finite_record_expiration_is_refused(expiration):
         "peer_id": "p",
         "maddrs": [],
         "hardware": "cpu",
+        "stats": [],
     }
     validator = SignedRecordValidator(None, clock=lambda: fuzz.NOW)
     ok = make_record(peers_key("r"), alice.public_key, encode("Heartbeat", hb, alice), fuzz.NOW + 30, alice)

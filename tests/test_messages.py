@@ -61,6 +61,7 @@ BODIES = {
         "peer_id": "12D3KooWExample",
         "maddrs": ["/ip4/127.0.0.1/tcp/4001"],
         "hardware": "cpu x2",
+        "stats": [{"name": "batches_sent", "value": 12.0}, {"name": "outbox", "value": 0.0}],
     },
     "Provider": {
         "run_id": RUN,
@@ -186,3 +187,14 @@ def test_fuzz_mutated_messages(data):
     except ProtocolError:
         return
     assert got_kind == kind and body == BODIES[kind]
+
+
+def test_heartbeat_stats_pack_drops_non_finite_and_caps():
+    from heterorl.protocol.messages import MAX_STATS, pack_stats, unpack_stats
+
+    packed = pack_stats({"step": 3, "reward": 0.5, "ess": float("nan"), "huge": 1e30, "x" * 40: 1.0})
+    assert unpack_stats(packed) == {"huge": 1e15, "reward": 0.5, "step": 3.0, "x" * 32: 1.0}
+    assert len(pack_stats({f"k{i}": i for i in range(200)})) == MAX_STATS
+    me = Identity.generate()
+    body = {**BODIES["Heartbeat"], "stats": packed}
+    assert unpack_stats(decode(encode("Heartbeat", body, me))[1]["stats"])["reward"] == 0.5

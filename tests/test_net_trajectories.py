@@ -126,6 +126,7 @@ def pair(bootstrap_node, tmp_path, run):
         "peer_id": ln.peer_id,
         "maddrs": ln.plain_maddrs(),
         "hardware": "cpu",
+        "stats": [],
     }
     assert ln.call(ln.publish("Heartbeat", hb))
     sender = TrajectorySender(sn, outbox, run, [lid.public_key])

@@ -217,6 +217,7 @@ SPEC: dict[str, _Rec] = {
         peer_id=_Text(128),
         maddrs=_MADDRS,
         hardware=_Text(256),
+        stats=_List(_rec(name=_Text(32), value=_Num(-1e15, 1e15)), 0, 64),
     ),
     "Provider": _rec(
         run_id=_RUN_ID,

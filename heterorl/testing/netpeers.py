@@ -226,6 +226,7 @@ def cmd_learner(args) -> None:
         "peer_id": node.peer_id,
         "maddrs": node.plain_maddrs(),
         "hardware": "cpu",
+        "stats": [],
     }
     node.call(node.publish("Heartbeat", hb, 120))
     emit("ready", maddrs=node.maddrs, peer_id=node.peer_id, already=ledger.count())
