@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+# the embedded default: coordinator, learner and 2 samplers as processes on 127.0.0.1, tiny offline model
 demo: $(STAMP)
-	$(BIN)/heterorl train --local --out $(DEMO_OUT)
+	$(BIN)/heterorl local --samplers 2 --out $(DEMO_OUT)
 
 test: $(STAMP)
 	$(BIN)/ruff check .

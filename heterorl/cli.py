@@ -144,6 +144,23 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", default="runs/local", help="metrics.jsonl, summary.json, checkpoint/")
     tr.set_defaults(fn=_train)
 
+    for name, module, text in (
+        (
+            "coordinator",
+            "heterorl.coordinator.daemon",
+            "host a run: sign its RunSpec, bootstrap the DHT, dashboard",
+        ),
+        ("peer", "heterorl.peer.daemon.main", "join a run as a volunteer sampler (default) or the learner"),
+        ("local", "heterorl.local", "the whole swarm on this machine: coordinator, learner, N samplers"),
+        ("status", "heterorl.coordinator.status", "what a swarm looks like, from any machine"),
+    ):
+        doc = (_module(module).__doc__ or text).strip()
+        rp = sub.add_parser(
+            name, help=text, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        _module(module).add_arguments(rp)
+        rp.set_defaults(fn=lambda args, module=module: _module(module).run(args))
+
     bench = sub.add_parser("bench", help="benchmarks that print their figures")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
     for name, module, text in (
@@ -157,9 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_module(name: str):
+    return _module(f"heterorl.bench.{name}")
+
+
+def _module(name: str):
     import importlib
 
-    return importlib.import_module(f"heterorl.bench.{name}")
+    return importlib.import_module(name)
 
 
 def main(argv: list[str] | None = None) -> int:

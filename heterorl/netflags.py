@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from heterorl.protocol.node import DEFAULT_HOST_MADDRS, NetConfig
+from heterorl.protocol.addresses import DEFAULT_HOST_MADDRS
 
 
 def add_net_arguments(ap: argparse.ArgumentParser) -> None:
@@ -53,8 +53,10 @@ def add_net_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--startup-timeout", type=float, default=30.0, help="seconds the libp2p daemon may take")
 
 
-def net_config_from_args(args: argparse.Namespace) -> NetConfig:
-    """ValueError (with the bad address) for malformed multiaddrs."""
+def net_config_from_args(args: argparse.Namespace):
+    """The NetConfig the flags describe; ValueError (with the bad address) for malformed multiaddrs."""
+    from heterorl.protocol.node import NetConfig
+
     return NetConfig(
         bootstrap=tuple(args.bootstrap),
         host_maddrs=tuple(args.host_maddrs),

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+from .addresses import DEFAULT_HOST_MADDRS
 from .dht import MAX_TTL_S, SignedRecordValidator, record_key
 from .errors import ProtocolError
 from .identity import Identity
@@ -26,7 +27,6 @@ from .messages import decode, encode
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -41,6 +41,7 @@ class NetConfig:
     use_relay: allow reaching (and being reached) through libp2p circuit relays.
     use_auto_relay: look for relays and become reachable through them when behind NAT.
     startup_timeout: seconds the libp2p daemon may take to start before we give up and say so.
+    identity_path: the libp2p key file, so a restarted peer keeps its peer id (and others' routes to it).
     """
 
     bootstrap: tuple[str, ...] = ()
@@ -50,6 +51,7 @@ class NetConfig:
     use_relay: bool = True
     use_auto_relay: bool = False
     startup_timeout: float = 30.0
+    identity_path: str | None = None  # libp2p key file: the same peer id across restarts (made if missing)
 
     def __post_init__(self) -> None:
         if self.startup_timeout <= 0:
@@ -83,6 +85,7 @@ class Node:
         self.config = config
         self.validator = SignedRecordValidator(identity)
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(self._on_loop_exception)
         self._thread = threading.Thread(target=self._run_loop, name="heterorl-net", daemon=True)
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
@@ -90,6 +93,13 @@ class Node:
         self.dht: Any = None
         self.peer_id = ""
         self._addresses: list[str] = []
+
+    def _on_loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        """hivemind's daemon-control tasks fail with a reset connection as the daemon stops: no error."""
+        if isinstance(context.get("exception"), (ConnectionResetError, BrokenPipeError)):
+            log.debug("network loop: %s (%s)", context.get("message"), context.get("exception"))
+            return
+        loop.default_exception_handler(context)
 
     @classmethod
     def start(cls, identity: Identity, config: NetConfig | None = None) -> Node:
@@ -121,6 +131,7 @@ class Node:
                 use_relay=c.use_relay,
                 use_auto_relay=c.use_auto_relay,
                 startup_timeout=c.startup_timeout,
+                identity_path=c.identity_path,
             )
         except Exception as e:
             raise RuntimeError(f"the libp2p daemon did not start: {e}") from e

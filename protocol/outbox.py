@@ -252,6 +252,14 @@ class Outbox:
             self._bump(conn, "retries")
         return delay
 
+    def retry_all_now(self) -> int:
+        """Make every queued item due now (a learner came back: no point waiting out the backoff)."""
+        now = float(self._clock())
+        with self._txn() as conn:
+            return conn.execute(
+                "UPDATE items SET next_attempt_at = ? WHERE next_attempt_at > ?", (now, now)
+            ).rowcount
+
     def next_due_in(self) -> float | None:
         """Seconds until the earliest item is due: 0.0 if one is due now, None if the outbox is empty."""
         now = float(self._clock())

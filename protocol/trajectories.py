@@ -36,7 +36,7 @@ PROTOCOL = "/heterorl/trajectories/1"
 REPLY_MAX_BYTES = 4096
 STREAM_IDLE_S = 300.0
 DEFAULT_RETRY_AFTER_S = 2.0
-LEARNER_REFRESH_S = 10.0
+LEARNER_REFRESH_S = 3.0
 LATENCY_SAMPLES = 2048
 
 Admit = Callable[[dict, bytes], str | None]
@@ -207,11 +207,14 @@ class TrajectorySender:
         try:
             while True:
                 wait = await asyncio.to_thread(self.outbox.next_due_in)
+                if wait is not None and wait > 0 and await self._learners_changed():
+                    continue
                 if wait is None or wait > 0:
                     self.state = "idle" if wait is None else "waiting for retry"
                     self._wake.clear()
+                    timeout = 5.0 if wait is None else min(wait, LEARNER_REFRESH_S)
                     with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), timeout=wait if wait is not None else 5.0)
+                        await asyncio.wait_for(self._wake.wait(), timeout=timeout)
                     continue
                 await self.send_due()
         finally:
@@ -275,6 +278,18 @@ class TrajectorySender:
         log.warning("learner rejected batch %s: %s", batch_id.hex()[:8], body["reason"])
         await asyncio.to_thread(self.outbox.reject, batch_id, body["reason"])
         return 0
+
+    async def _learners_changed(self) -> bool:
+        """While backing off: look the learners up again; if one (re)appeared, make the queue due now."""
+        if self._fixed is not None or time.monotonic() - self._learners_at < LEARNER_REFRESH_S:
+            return False
+        before = set(self._learners)
+        now = await self._current_learners()
+        if set(now) - before:
+            n = await asyncio.to_thread(self.outbox.retry_all_now)
+            log.info("a learner (re)appeared; retrying %d queued batch(es) now", n)
+            return n > 0
+        return False
 
     async def _current_learners(self) -> list[Learner]:
         if self._fixed is not None:

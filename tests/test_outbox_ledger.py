@@ -133,6 +133,21 @@ def test_retry_after_honoured_and_clamped(tmp_path):
         assert item.attempts == 4  # the NaN call changed nothing
 
 
+def test_retry_all_now_cuts_the_backoff_short(tmp_path):
+    clock, rng = Clock(), MaxRng()
+    with Outbox(tmp_path / "o.db", clock=clock, rng=rng) as ob:
+        for i in range(3):
+            ob.put(bid(i), b"data", 0)
+        for _ in range(5):
+            ob.retry(bid(0))
+        ob.retry(bid(1), retry_after_s=30.0)
+        assert [it.batch_id for it in ob.due()] == [bid(2)]
+        assert ob.retry_all_now() == 2
+        due = ob.due()
+        assert [it.batch_id for it in due] == [bid(0), bid(1), bid(2)] and ob.next_due_in() == 0.0
+        assert due[0].attempts == 5  # the backoff resumes where it was if this attempt fails too
+
+
 def test_caps_drop_oldest_and_return_ids(tmp_path):
     with Outbox(tmp_path / "o.db", max_items=3, max_bytes=100, clock=Clock()) as ob:
         assert [ob.put(bid(i), b"x" * 10, 0) for i in range(3)] == [[], [], []]

@@ -1,0 +1,182 @@
+"""``heterorl coordinator``: sign the RunSpec, run a bootstrap DHT node, keep the swarm's view, serve the
+dashboard.
+
+The run does not depend on it: the RunSpec lives in the DHT and every peer serves it, learners and samplers
+talk directly. A restarted coordinator reuses the RunSpec (and run id) and the view kept in its state
+directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("heterorl.coordinator")
+
+SPEC_REPUBLISH_S = 3600.0
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    from heterorl.netflags import add_net_arguments
+
+    ap.add_argument(
+        "--run-config", default=None, help="run.toml (needed on first start; see --example-config)"
+    )
+    ap.add_argument("--example-config", action="store_true", help="print an example run.toml and exit")
+    ap.add_argument(
+        "--state-dir", default="~/.heterorl/coordinator", help="RunSpec, key, view (default: %(default)s)"
+    )
+    ap.add_argument("--key", default=None, help="coordinator key file (default: STATE_DIR/coordinator.key)")
+    ap.add_argument("--dashboard-host", default="127.0.0.1", help="0.0.0.0 to serve the dashboard to others")
+    ap.add_argument(
+        "--dashboard-port", type=int, default=8470, help="0 picks a free port (default: %(default)s)"
+    )
+    ap.add_argument("--poll-s", type=float, default=1.0, help="seconds between looks at the DHT")
+    ap.add_argument("--log-level", default="INFO")
+    add_net_arguments(ap)
+
+
+def _sign_spec(args: argparse.Namespace, state_dir: Path, identity) -> bytes:
+    """The stored RunSpec, or a new one signed from --run-config (model loaded once for its hash)."""
+    from heterorl.protocol import decode, encode
+
+    stored = state_dir / "runspec.msgpack"
+    if stored.exists():
+        raw = stored.read_bytes()
+        _, body, author = decode(raw, "RunSpec")
+        if author != identity.public_key:
+            raise ValueError(f"{stored} was signed by another key than {args.key or 'this coordinator'}'s")
+        log.info("resuming run %s with its stored RunSpec (%s)", body["run_id"], stored)
+        if args.run_config:
+            log.info(
+                "--run-config ignored: a run's spec does not change; use a new --state-dir for a new run"
+            )
+        return raw
+    if not args.run_config:
+        raise ValueError("first start needs --run-config run.toml (heterorl coordinator --example-config)")
+    from heterorl.peer.daemon.weights import resolve_model, weights_bytes, weights_hash
+    from heterorl.peer.model import load_model
+
+    from .runconfig import load_run_config
+
+    cfg = load_run_config(args.run_config)
+    model, _tok = load_model(resolve_model(cfg.model, state_dir / "models"))
+    body = cfg.runspec_body(weights_hash(weights_bytes(model)), model.config.vocab_size)
+    raw = encode("RunSpec", body, identity)
+    tmp = stored.with_suffix(".tmp")
+    tmp.write_bytes(raw)
+    os.replace(tmp, stored)
+    log.info("new run %s: model %s, task %s, objective %s", cfg.run_id, cfg.model, cfg.task, cfg.objective)
+    return raw
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.example_config:
+        from .runconfig import EXAMPLE
+
+        print(EXAMPLE, end="")
+        return 0
+    from heterorl.netflags import net_config_from_args
+    from heterorl.peer.daemon.main import _log_to_file
+    from heterorl.protocol import decode, load_or_create_identity
+    from heterorl.protocol.node import Node
+    from heterorl.protocol.spec import SpecServer
+
+    from .dashboard import DashboardServer, prometheus_text
+    from .view import SwarmView
+
+    state_dir = Path(args.state_dir).expanduser()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    _log_to_file(state_dir / "coordinator.log", args.log_level)
+    try:
+        identity, _ = load_or_create_identity(args.key or state_dir / "coordinator.key")
+        raw = _sign_spec(args, state_dir, identity)
+        config = net_config_from_args(args)
+        # the same libp2p peer id after a restart: with a fixed port, peers' bootstrap addresses stay valid
+        config = dataclasses.replace(config, identity_path=str(state_dir / "p2p.key"))
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _, spec, _ = decode(raw, "RunSpec")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        node = Node.start(identity, config)
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
+    view = SwarmView(spec["run_id"], spec, state_dir / "view.json")
+    lock = threading.Lock()
+    try:
+        node.call(SpecServer(raw).attach(node))
+        maddrs = node.maddrs
+        view.coordinator = {"peer_id": node.peer_id, "maddrs": maddrs, "started_at": time.time()}
+        (state_dir / "maddrs.txt").write_text("\n".join(maddrs) + "\n")
+        dash = DashboardServer(
+            lambda: _locked(lock, view.snapshot),
+            lambda: prometheus_text(_locked(lock, view.snapshot)),
+            args.dashboard_host,
+            args.dashboard_port,
+        )
+        dash.start()
+        print(
+            json.dumps(
+                {
+                    "event": "ready",
+                    "run_id": spec["run_id"],
+                    "run_key": identity.public_key.hex(),
+                    "maddrs": maddrs,
+                    "dashboard": dash.url,
+                }
+            ),
+            flush=True,
+        )
+        log.info("run %s; coordinator key %s", spec["run_id"], identity.public_key.hex())
+        log.info("peers join with: heterorl peer --bootstrap %s", " ".join(maddrs))
+        log.info("dashboard at %s (metrics at %smetrics)", dash.url, dash.url)
+        _serve(node, raw, view, lock, stop, args.poll_s)
+    finally:
+        with lock:
+            view.save()
+        node.close()
+    log.info("coordinator stopped; the run goes on without it")
+    return 0
+
+
+def _locked(lock: threading.Lock, fn):
+    with lock:
+        return fn()
+
+
+def _serve(node, raw: bytes, view, lock: threading.Lock, stop: threading.Event, poll_s: float) -> None:
+    from .view import fetch_records
+
+    published_at = 0.0
+    saved_at = time.monotonic()
+    while not stop.is_set():
+        if time.monotonic() - published_at > SPEC_REPUBLISH_S or not published_at:
+            try:
+                if node.call(node.publish_message(raw), timeout=30):
+                    published_at = time.monotonic()
+            except Exception as e:
+                log.warning("RunSpec not (re)published in the DHT: %s", e)
+        try:
+            records = node.call(fetch_records(node, view.run_id), timeout=30)
+            with lock:
+                view.apply(*records)
+        except Exception as e:
+            log.warning("view not refreshed: %s", e)
+        if time.monotonic() - saved_at > 5:
+            with lock:
+                view.save()
+            saved_at = time.monotonic()
+        stop.wait(poll_s)

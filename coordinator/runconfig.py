@@ -1,0 +1,243 @@
+"""``run.toml``: what a run is (model, task, objective, sampling, learner settings) and the RunSpec it
+signs to.
+
+The coordinator reads the file once, signs a RunSpec from it and stores both in its state directory, so a
+restarted coordinator keeps the same run id and spec. Everything a peer needs that the RunSpec schema has no
+field for (learner and sampler settings, objective parameters) travels in its ``hyperparameters`` JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+TINY_MODEL = "tiny"  # the offline tiny model, built where it is missing
+
+EXAMPLE = """\
+# A HeteroRL run. `heterorl coordinator --run-config run.toml` signs a RunSpec from this file.
+run_id = "my-run"                  # omit to get a random one
+learner_keys = ["<64 hex chars>"]  # `heterorl keys show --key learner.key`: who may sign checkpoints
+
+[model]
+path = "tiny"                      # the offline tiny model, or a local path / Hugging Face hub id
+
+[task]
+name = "arithmetic"                # arithmetic | countdown | jsonl:PATH
+params = { digits = 1 }
+
+[objective]
+name = "gepo"                      # gepo (defensive sampling on stale data) | grpo | gspo | cispo | ...
+lr = 1e-3
+params = {}
+
+[sampling]
+temperature = 1.0
+top_p = 1.0
+max_new_tokens = 6
+
+[learner]
+prompts_per_update = 16            # prompt groups per update
+group_size = 8                     # completions per prompt
+publish_every = 1                  # publish a signed checkpoint every K updates
+max_staleness = -1                 # -1: use all data however stale; N: drop batches more than N versions old
+buffer_batches = 16                # accepted batches kept waiting; beyond it samplers are told to slow down
+
+[sampler]
+prompts_per_batch = 2              # prompt groups per TrajectoryBatch
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerSettings:
+    prompts_per_update: int = 16
+    group_size: int = 8
+    publish_every: int = 1
+    max_staleness: int = -1
+    buffer_batches: int = 16
+    grad_clip: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+    prompts_per_batch: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    run_id: str
+    learner_keys: tuple[str, ...]
+    model: str = TINY_MODEL
+    task: str = "arithmetic"
+    task_params: dict = dataclasses.field(default_factory=lambda: {"digits": 1})
+    objective: str = "gepo"
+    objective_params: dict = dataclasses.field(default_factory=dict)
+    advantage: str | None = None
+    lr: float = 1e-3
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 6
+    max_batch_rows: int = 256
+    learner: LearnerSettings = LearnerSettings()
+    sampler: SamplerSettings = SamplerSettings()
+
+    def __post_init__(self) -> None:
+        from heterorl.peer import objectives
+
+        objectives.default_advantage(self.objective)  # ValueError naming the valid objectives
+        if not self.learner_keys:
+            raise ValueError("learner_keys is empty: list the public key of at least one learner")
+        for k in self.learner_keys:
+            if len(bytes.fromhex(k)) != 32:
+                raise ValueError(f"learner key {k[:16]}… is not 64 hex characters")
+        ls = self.learner
+        for name in ("prompts_per_update", "group_size", "publish_every", "buffer_batches"):
+            if getattr(ls, name) < 1:
+                raise ValueError(f"learner.{name} must be >= 1")
+        if self.sampler.prompts_per_batch * ls.group_size > self.max_batch_rows:
+            raise ValueError("sampler.prompts_per_batch × learner.group_size exceeds limits.max_batch_rows")
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {
+            "task_params": self.task_params,
+            "objective_params": self.objective_params,
+            "advantage": self.advantage,
+            "lr": self.lr,
+            "learner": dataclasses.asdict(self.learner),
+            "sampler": dataclasses.asdict(self.sampler),
+        }
+
+    def runspec_body(self, initial_checkpoint: bytes, vocab_size: int) -> dict:
+        return {
+            "run_id": self.run_id,
+            "model": self.model,
+            "initial_checkpoint": initial_checkpoint,
+            "task": self.task,
+            "reward": "builtin",
+            "objective": self.objective,
+            "hyperparameters": json.dumps(self.hyperparameters(), sort_keys=True),
+            "sampling": {
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "max_new_tokens": self.max_new_tokens,
+            },
+            "learner_keys": [bytes.fromhex(k) for k in self.learner_keys],
+            "vocab_size": vocab_size,
+            "max_batch_rows": self.max_batch_rows,
+        }
+
+
+def _pick(section: dict, cls: type, where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(section) - names
+    if unknown:
+        raise ValueError(
+            f"[{where}]: unknown setting(s) {', '.join(sorted(unknown))}; known: {sorted(names)}"
+        )
+    return cls(**section)
+
+
+def parse_run_config(data: dict) -> RunConfig:
+    """A RunConfig from parsed TOML; ValueError naming the bad setting."""
+    data = dict(data)
+    known = {
+        "run_id",
+        "learner_keys",
+        "model",
+        "task",
+        "objective",
+        "sampling",
+        "learner",
+        "sampler",
+        "limits",
+    }
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"unknown section(s) or key(s) {', '.join(sorted(unknown))}")
+    model, task, obj = data.get("model", {}), data.get("task", {}), data.get("objective", {})
+    sampling, limits = data.get("sampling", {}), data.get("limits", {})
+    return RunConfig(
+        run_id=str(data.get("run_id") or f"run-{secrets.token_hex(4)}"),
+        learner_keys=tuple(data.get("learner_keys", ())),
+        model=str(model.get("path", TINY_MODEL)),
+        task=str(task.get("name", "arithmetic")),
+        task_params=dict(task.get("params", {"digits": 1})),
+        objective=str(obj.get("name", "gepo")),
+        objective_params=dict(obj.get("params", {})),
+        advantage=obj.get("advantage"),
+        lr=float(obj.get("lr", 1e-3)),
+        temperature=float(sampling.get("temperature", 1.0)),
+        top_p=float(sampling.get("top_p", 1.0)),
+        max_new_tokens=int(sampling.get("max_new_tokens", 6)),
+        max_batch_rows=int(limits.get("max_batch_rows", 256)),
+        learner=_pick(data.get("learner", {}), LearnerSettings, "learner"),
+        sampler=_pick(data.get("sampler", {}), SamplerSettings, "sampler"),
+    )
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from None
+    try:
+        return parse_run_config(data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """What a peer reads back out of a verified RunSpec body."""
+
+    run_id: str
+    model: str
+    task: str
+    task_params: dict
+    objective: str
+    objective_params: dict
+    advantage: str | None
+    lr: float
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    learner: LearnerSettings
+    sampler: SamplerSettings
+    learner_keys: tuple[bytes, ...]
+    vocab_size: int
+    max_batch_rows: int
+    initial_checkpoint: bytes
+
+    @classmethod
+    def from_spec(cls, body: dict) -> RunSettings:
+        """ValueError if the hyperparameters JSON does not hold what this version needs."""
+        try:
+            hp = json.loads(body["hyperparameters"])
+            return cls(
+                run_id=body["run_id"],
+                model=body["model"],
+                task=body["task"],
+                task_params=dict(hp.get("task_params", {})),
+                objective=body["objective"],
+                objective_params=dict(hp.get("objective_params", {})),
+                advantage=hp.get("advantage"),
+                lr=float(hp.get("lr", 1e-3)),
+                temperature=body["sampling"]["temperature"],
+                top_p=body["sampling"]["top_p"],
+                max_new_tokens=body["sampling"]["max_new_tokens"],
+                learner=LearnerSettings(**hp.get("learner", {})),
+                sampler=SamplerSettings(**hp.get("sampler", {})),
+                learner_keys=tuple(body["learner_keys"]),
+                vocab_size=body["vocab_size"],
+                max_batch_rows=body["max_batch_rows"],
+                initial_checkpoint=body["initial_checkpoint"],
+            )
+        except (json.JSONDecodeError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"RunSpec hyperparameters not understood: {e}") from None

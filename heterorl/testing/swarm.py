@@ -1,0 +1,107 @@
+"""A swarm of real role processes for tests: coordinator, learner, samplers (honest or hostile), on 127.0.0.1.
+
+Each process has its own state directory under ``root``; :meth:`Swarm.close` kills whatever is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from heterorl.local import Proc, _ready_line, stop_all
+
+
+class Swarm:
+    def __init__(self, root: Path, model_dir: str | Path, **learner_settings: object):
+        from heterorl.protocol import load_or_create_identity
+
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.model_dir = str(Path(model_dir).resolve())
+        self.learner_dir = self.root / "learner"
+        self.learner_dir.mkdir(exist_ok=True)
+        self.learner_key = load_or_create_identity(self.learner_dir / "peer.key")[0].public_key.hex()
+        self.settings = {"prompts_per_update": 8, "group_size": 8, "publish_every": 1, **learner_settings}
+        self.procs: list[Proc] = []
+        self.ready: dict = {}
+        self.coord: Proc | None = None
+
+    def run_toml(self, lr: float = 2e-3) -> Path:
+        learner = "\n".join(f"{k} = {v}" for k, v in self.settings.items())
+        path = self.root / "run.toml"
+        path.write_text(
+            f'run_id = "test-{int(time.time() * 1000) % 10**8}"\nlearner_keys = ["{self.learner_key}"]\n'
+            f'[model]\npath = "{self.model_dir}"\n[objective]\nname = "gepo"\nlr = {lr}\n'
+            f"[learner]\n{learner}\n[sampler]\nprompts_per_batch = 2\n"
+        )
+        return path
+
+    def start_coordinator(self, *extra: str) -> dict:
+        args = ["coordinator", "--state-dir", str(self.root / "coordinator"), "--dashboard-port", "0"]
+        if not (self.root / "coordinator" / "runspec.msgpack").exists():
+            args += ["--run-config", str(self.run_toml())]
+        self.coord = self._start("coordinator", [*args, *extra], stdout=subprocess.PIPE)
+        self.ready = _ready_line(self.coord, 120)
+        return self.ready
+
+    def bootstrap(self) -> list[str]:
+        return ["--bootstrap", *self.ready["maddrs"], "--run-key", self.ready["run_key"]]
+
+    def start_learner(self, *extra: str) -> Proc:
+        args = ["peer", "--role", "learner", "--state-dir", str(self.learner_dir), "--threads", "1"]
+        return self._start("learner", [*args, *self.bootstrap(), *extra])
+
+    def start_sampler(self, name: str, *extra: str, module: str = "heterorl.cli") -> Proc:
+        args = ["--state-dir", str(self.root / name), "--threads", "1", *self.bootstrap(), *extra]
+        if module == "heterorl.cli":
+            args = ["peer", *args]
+        return self._start(name, args, module=module)
+
+    def _start(self, name: str, argv: list[str], **kw) -> Proc:
+        p = Proc(name, argv, self.root / f"{name}.stderr.log", **kw)
+        self.procs.append(p)
+        return p
+
+    # ---- what happened ----
+
+    def metrics(self) -> list[dict]:
+        """The learner's updates, one per step (a step replayed after a restart replaces the lost one)."""
+        path = self.learner_dir / "metrics.jsonl"
+        steps: dict[int, dict] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    steps[row["step"]] = row
+        return [steps[k] for k in sorted(steps)]
+
+    def step(self) -> int:
+        m = self.metrics()
+        return m[-1]["step"] if m else 0
+
+    def wait_step(self, n: int, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while self.step() < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"learner at step {self.step()}, not {n}, after {timeout:.0f} s\n{self.logs()}"
+                )
+            time.sleep(0.5)
+
+    def view(self) -> dict:
+        with urllib.request.urlopen(self.ready["dashboard"] + "api/view", timeout=10) as r:
+            return json.loads(r.read())
+
+    def logs(self, n: int = 3000) -> str:
+        out = []
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                out.append(f"--- {p.name}\n{p.log_path.read_text()[-n:]}")
+        return "\n".join(out)
+
+    def close(self) -> None:
+        stop_all(self.procs, timeout=20)

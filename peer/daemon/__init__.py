@@ -1,0 +1,1 @@
+"""The peer daemons: ``heterorl peer --role sampler`` (the volunteer) and ``--role learner``."""

@@ -1,0 +1,183 @@
+"""Joining a run: check the bootstrap addresses, start the node, find and verify the RunSpec, pin its key.
+
+What a peer learns is kept in its state directory (``run.json``: run id and pinned coordinator key;
+``known_peers.json``: addresses of peers seen), so a restarted peer rejoins the same run, trusts the same key,
+and can rejoin through peers it met before when every bootstrap address is down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from heterorl.protocol import Identity, ProtocolError
+from heterorl.protocol.node import NetConfig, Node
+from heterorl.protocol.spec import SpecServer, check_run_key, lookup_specs, request_spec
+
+log = logging.getLogger(__name__)
+
+MAX_KNOWN_PEERS = 32
+
+
+@dataclasses.dataclass
+class Joined:
+    node: Node
+    spec_raw: bytes
+    spec: dict
+    run_key: bytes
+
+
+def _write_json(path: Path, data: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _host_port(maddr: str) -> tuple[str, int] | None:
+    parts = maddr.strip("/").split("/")
+    try:
+        i = next(i for i, p in enumerate(parts) if p in ("ip4", "ip6", "dns", "dns4", "dns6"))
+        j = parts.index("tcp")
+        return parts[i + 1], int(parts[j + 1])
+    except (StopIteration, ValueError, IndexError):
+        return None
+
+
+def reachable(maddrs: list[str], timeout: float = 2.0) -> tuple[list[str], list[str]]:
+    """Split bootstrap addresses into (answering, failed) with a plain TCP connect to each."""
+    ok, failed = [], []
+    for m in maddrs:
+        hp = _host_port(m)
+        if hp is None:
+            ok.append(m)  # not TCP (e.g. QUIC): let libp2p try it
+            continue
+        try:
+            with socket.create_connection(hp, timeout=timeout):
+                ok.append(m)
+        except OSError as e:
+            failed.append(m)
+            log.warning("bootstrap address %s does not answer: %s", m, e)
+    return ok, failed
+
+
+def known_peers(state_dir: Path) -> list[str]:
+    try:
+        return [str(m) for m in json.loads((state_dir / "known_peers.json").read_text())][:MAX_KNOWN_PEERS]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def remember_peers(state_dir: Path, maddrs: list[str]) -> None:
+    merged = list(dict.fromkeys([*maddrs, *known_peers(state_dir)]))[:MAX_KNOWN_PEERS]
+    _write_json(state_dir / "known_peers.json", merged)
+
+
+def start_node(identity: Identity, config: NetConfig, state_dir: Path, retries: int = 3) -> Node:
+    """Start the node through whichever bootstrap (or remembered) addresses answer; say which failed."""
+    given = list(config.bootstrap)
+    ok, failed = reachable(given)
+    if given and not ok:
+        remembered = [m for m in known_peers(state_dir) if m not in given]
+        ok, _ = reachable(remembered)
+        if ok:
+            log.warning("no bootstrap address answers; rejoining through %d peer(s) seen before", len(ok))
+        else:
+            raise RuntimeError(
+                f"cannot join: none of the bootstrap addresses answers ({', '.join(failed)}) and no peer "
+                "seen before does either"
+            )
+    cfg = dataclasses.replace(
+        config, bootstrap=tuple(ok), identity_path=config.identity_path or str(state_dir / "p2p.key")
+    )
+    for attempt in range(1, retries + 1):
+        try:
+            return Node.start(identity, cfg)
+        except RuntimeError as e:  # the libp2p daemon did not start in time, or the DHT join failed
+            if attempt == retries:
+                raise
+            log.warning("network start failed (%s); retrying (%d/%d)", e, attempt, retries)
+            time.sleep(2.0 * attempt)
+    raise AssertionError("unreachable")
+
+
+def find_spec(
+    node: Node, bootstrap: list[str], run_id: str | None, pinned: bytes | None, timeout: float
+) -> tuple[bytes, dict, bytes]:
+    """The run's RunSpec, from the DHT when the run id is known, else from the bootstrap peers."""
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
+        candidates: list[tuple[bytes, dict, bytes]] = []
+        if run_id:
+            try:
+                candidates += node.call(lookup_specs(node, run_id), timeout=30)
+            except Exception as e:
+                log.debug("spec lookup: %s", e)
+        for m in bootstrap:
+            if "/p2p/" not in m:
+                continue
+            try:
+                candidates.append(node.call(request_spec(node, m.split("/p2p/")[-1], (m,)), timeout=30))
+            except Exception as e:
+                log.debug("no RunSpec from %s: %s", m, e)
+        for raw, body, author in candidates:
+            if run_id and body["run_id"] != run_id:
+                continue
+            try:
+                check_run_key(author, pinned)
+            except ProtocolError as e:
+                log.warning("refused a RunSpec: %s", e)
+                continue
+            return raw, body, author
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"no RunSpec {'for run ' + run_id + ' ' if run_id else ''}found within {timeout:.0f} s"
+            )
+        if not said:
+            log.info("joining: waiting for the RunSpec%s", f" of run {run_id}" if run_id else "")
+            said = True
+        time.sleep(1.0)
+
+
+def join(
+    identity: Identity,
+    config: NetConfig,
+    state_dir: Path,
+    *,
+    run_id: str | None = None,
+    run_key: bytes | None = None,
+    timeout: float = 120.0,
+) -> Joined:
+    """Start the node, get the RunSpec (pinned key, or trust on first use, said in the log), serve it too."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    saved = {}
+    with contextlib.suppress(OSError, ValueError):
+        saved = json.loads((state_dir / "run.json").read_text())
+    if run_key is None and saved.get("run_key"):
+        run_key = bytes.fromhex(saved["run_key"])
+    run_id = run_id or saved.get("run_id")
+    node = start_node(identity, config, state_dir)
+    try:
+        raw, body, author = find_spec(node, list(config.bootstrap), run_id, run_key, timeout)
+    except BaseException:
+        node.close()
+        raise
+    if run_key is None:
+        log.warning(
+            "trusting run key %s on first use (run %s); pin it with --run-key %s",
+            author.hex()[:16],
+            body["run_id"],
+            author.hex(),
+        )
+    else:
+        log.info("RunSpec of run %s verified against the pinned key %s", body["run_id"], author.hex()[:16])
+    _write_json(state_dir / "run.json", {"run_id": body["run_id"], "run_key": author.hex()})
+    remember_peers(state_dir, list(config.bootstrap))
+    node.call(SpecServer(raw).attach(node))
+    return Joined(node, raw, body, author)

@@ -1,0 +1,309 @@
+"""The learner peer: admit batches from anyone (re-scored), buffer them, update, publish signed checkpoints.
+
+Exactly once, across kills: an accepted batch is in the ledger (on disk) before it is acknowledged; after each
+update its id is marked applied at that step; model, optimizer and step are saved every ``publish_every``
+updates, just before the checkpoint of that version is published. A restarted learner loads its last save
+(step S) and replays every batch the ledger holds as pending or applied after S, so nothing accepted is lost
+and nothing counts twice in the saved lineage. Checkpoint versions equal update steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from heterorl.coordinator.runconfig import RunSettings
+from heterorl.protocol import Identity, decode, encode
+from heterorl.protocol.checkpoint import manifest_body
+from heterorl.protocol.chunks import ChunkServer, publish_checkpoint
+from heterorl.protocol.ledger import AcceptedLog
+from heterorl.protocol.store import ChunkStore
+from heterorl.protocol.trajectories import TrajectoryReceiver
+
+from ..learner.buffer import Buffered, TrajectoryBuffer
+from ..learner.intake import RewardCheck
+from ..learner.state import load_state, save_state
+from ..learner.update import STALENESS_BUCKETS, rows_from_bodies, staleness_bucket, update
+from ..model import load_model
+from ..tasks import get_task
+from .hardware import Hardware
+from .heartbeat import Heartbeat, Status
+from .join import Joined
+from .weights import resolve_model, weights_bytes, weights_hash
+
+log = logging.getLogger(__name__)
+
+MAX_SHOWN_STRIKES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerOptions:
+    max_steps: int | None = None  # stop (cleanly) after this many updates; None: run until stopped
+    wait_log_s: float = 10.0
+    store_bytes: int = 8 << 30
+
+
+class Learner:
+    def __init__(
+        self,
+        joined: Joined,
+        identity: Identity,
+        state_dir: Path,
+        hardware: Hardware,
+        options=LearnerOptions(),
+    ):
+        self.joined, self.node, self.identity = joined, joined.node, identity
+        self.settings = s = RunSettings.from_spec(joined.spec)
+        if identity.public_key not in s.learner_keys:
+            raise PermissionError(
+                f"this peer's key {identity.public_key.hex()} is not among the run's learner keys; "
+                "list it in run.toml's learner_keys"
+            )
+        self.state_dir, self.hw, self.opt = state_dir, hardware, options
+        self.status = Status()
+        self.model, self.tok = load_model(
+            resolve_model(s.model, state_dir.parent / "models"), device=hardware.device
+        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, weight_decay=0.0)
+        meta = load_state(state_dir / "state", self.model, self.optimizer)
+        if meta is None:
+            if weights_hash(weights_bytes(self.model)) != s.initial_checkpoint:
+                raise ValueError(
+                    f"the weights of {s.model} here differ from the RunSpec's initial checkpoint; "
+                    "the learner must start from the model the coordinator signed"
+                )
+            self.step = 0
+            log.info("starting fresh from %s", s.model)
+        else:
+            self.step = int(meta["step"])
+            log.info("resumed from my own state at step %d", self.step)
+        self.ledger = AcceptedLog(state_dir / "accepted.sqlite")
+        self.buffer = TrajectoryBuffer(s.learner.buffer_batches)
+        self.reward_check = RewardCheck(get_task(s.task, **s.task_params), self.tok)
+        self.store = ChunkStore(state_dir / "chunks", max_bytes=options.store_bytes)
+        self.server = ChunkServer(self.store)
+        self.receiver = TrajectoryReceiver(
+            identity,
+            s.run_id,
+            self.ledger,
+            vocab_size=s.vocab_size,
+            admit=self._admit,
+            on_accept=self._on_accept,
+            has_room=self.buffer.has_room,
+        )
+        self.staleness = collections.Counter()
+        self.last: dict[str, float] = {}
+        self.published_version = -1
+        self.publish_failures = 0
+        self._unannounced = False
+        self.wait_s = 0.0
+        self.train_s = 0.0
+        self.replayed = self._replay()
+
+    # ---- intake ----
+
+    def _admit(self, body: dict, author: bytes) -> str | None:
+        s = self.settings
+        if len(body["rows"]) > s.max_batch_rows:
+            return f"{len(body['rows'])} rows exceed the run's {s.max_batch_rows}"
+        if body["policy_version"] > self.published_version:
+            return f"sampled with version {body['policy_version']}, newer than any published"
+        lag = self.step - body["policy_version"]
+        if s.learner.max_staleness >= 0 and lag > s.learner.max_staleness:
+            return f"{lag} versions stale, the run drops beyond {s.learner.max_staleness}"
+        return self.reward_check(body, author)
+
+    def _on_accept(self, body: dict, author: bytes, _raw: bytes) -> None:
+        self.buffer.put(Buffered(body["batch_id"], author, body, time.time()))
+
+    def _replay(self) -> int:
+        items = self.ledger.pending(applied_after=self.step)
+        for it in items:
+            _, body, author = decode(it.data, "TrajectoryBatch", run_id=self.settings.run_id)
+            self.buffer.put(Buffered(it.batch_id, author, body, it.received_at))
+        if items:
+            log.info("replaying %d accepted batch(es) not in my saved state", len(items))
+        return len(items)
+
+    # ---- checkpoints ----
+
+    def publish(self) -> None:
+        s = self.settings
+        save_state(self.state_dir / "state", self.model, self.optimizer, self.step, {"run_id": s.run_id})
+        self.ledger.prune_applied(self.step)  # a restart resumes from here: older payloads are never replayed
+        raw, body = self.store.manifest(self.step), self.store.body(self.step)
+        if raw is None or body is None:
+            older = [v for v in self.store.versions() if v < self.step]
+            parent = self.published_version if self.published_version >= 0 else max(older, default=-1)
+            data = weights_bytes(self.model)
+            body, chunks = manifest_body(s.run_id, self.step, parent, data, "float32")
+            for h, c in zip(body["chunk_hashes"], chunks, strict=True):
+                self.store.put(h, c)
+            raw = encode("CheckpointManifest", body, self.identity)
+        # else: built before a restart from these same saved weights; announce it again
+        self.published_version = self.step
+        try:
+            self.node.call(publish_checkpoint(self.node, self.store, raw, body), timeout=60)
+        except Exception as e:  # the DHT can refuse or time out; the next version (or a retry) supersedes it
+            self.publish_failures += 1
+            log.warning(
+                "checkpoint version %d not announced in the DHT (%s); will announce again", self.step, e
+            )
+            self._unannounced = True
+            return
+        self._unannounced = False
+        log.info(
+            "published checkpoint version %d (%d bytes, %d chunks)",
+            self.step,
+            body["total_size"],
+            len(body["chunk_hashes"]),
+        )
+
+    # ---- training ----
+
+    def train_once(self, timeout: float) -> bool:
+        s = self.settings
+        t = time.perf_counter()
+        batches = self.buffer.take_groups(s.learner.prompts_per_update, timeout)
+        self.wait_s += time.perf_counter() - t
+        if batches is None:
+            return False
+        t = time.perf_counter()
+        self.status.state = f"updating (step {self.step + 1})"
+        rows = rows_from_bodies([b.body for b in batches], self.tok.pad_token_id)
+        stats = update(
+            self.model,
+            self.optimizer,
+            rows,
+            version=self.step,
+            objective=s.objective,
+            advantage=s.advantage,
+            objective_params=s.objective_params,
+            temperature=s.temperature,
+            max_new_tokens=s.max_new_tokens,
+            pad_id=self.tok.pad_token_id,
+            grad_clip=s.learner.grad_clip,
+        )
+        self.step += 1
+        self.ledger.mark_applied([b.batch_id for b in batches], self.step)
+        hist = collections.Counter(
+            staleness_bucket(self.step - 1 - b.body["policy_version"]) for b in batches
+        )
+        self.staleness.update(hist)
+        self.train_s += time.perf_counter() - t
+        self.last = stats
+        row = {
+            "step": self.step,
+            "time": time.time(),
+            "batches": [b.batch_id.hex() for b in batches],
+            "authors": sorted({b.author.hex()[:16] for b in batches}),
+            "staleness_hist": dict(hist),
+            **stats,
+        }
+        with (self.state_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.step % s.learner.publish_every == 0 or self.step == self.opt.max_steps:
+            self.status.state = f"publishing version {self.step}"
+            self.publish()
+        return True
+
+    def _status(self) -> Status:
+        st = self.status
+        st.policy_version = self.published_version
+        recv = self.receiver
+        stats = {
+            "step": self.step,
+            "buffer": len(self.buffer),
+            "accepted": recv.accepted,
+            "rejected": sum(recv.rejected.values()),
+            "duplicates": recv.duplicates,
+            "deferred": recv.deferred,
+            "replayed": self.replayed,
+            "publish_failures": self.publish_failures,
+            "wait_frac": self.wait_s / max(1e-9, self.wait_s + self.train_s),
+            **{f"stale:{b}": self.staleness.get(b, 0) for b in STALENESS_BUCKETS},
+        }
+        for k in ("reward/mean", "is/ess", "is/var", "is/mean", "clip/frac", "kl/k3", "staleness/mean"):
+            if k in self.last:
+                stats[k] = self.last[k]
+        for who, n in recv.strikes.most_common(MAX_SHOWN_STRIKES):
+            stats[f"rej:{who[:27]}"] = n
+        st.stats = stats
+        return st
+
+    def _write_final_stats(self) -> None:
+        recv = self.receiver
+        final = {
+            "step": self.step,
+            "accepted": recv.accepted,
+            "duplicates": recv.duplicates,
+            "deferred": recv.deferred,
+            "rejected": sum(recv.rejected.values()),
+            "rejected_by_reason": dict(recv.rejected),
+            "strikes": dict(recv.strikes),
+            "rows_disagreeing": self.reward_check.rows_disagreeing,
+        }
+        (self.state_dir / "final_stats.json").write_text(json.dumps(final, indent=1))
+
+    def run(self, stop: threading.Event) -> None:
+        self.node.call(self.server.attach(self.node))
+        self.status.state = f"publishing version {self.step}"
+        self.publish()  # version 0 (or the step resumed at) before anyone can sample
+        self.node.call(self.receiver.attach(self.node))
+        hb = Heartbeat(
+            self.node, self.settings.run_id, "learner", self.hw.describe(), self._status, self.state_dir
+        )
+        hb_task = self.node.spawn(hb.run())
+        log.info(
+            "learning: run %s, objective %s, step %d",
+            self.settings.run_id,
+            self.settings.objective,
+            self.step,
+        )
+        waited = 0.0
+        try:
+            while not stop.is_set():
+                if self.opt.max_steps is not None and self.step >= self.opt.max_steps:
+                    log.info("reached %d updates; stopping", self.step)
+                    break
+                self.status.state = "waiting for trajectories"
+                if self.train_once(timeout=0.5):
+                    waited = 0.0
+                    if self.step % 10 == 0:
+                        log.info(
+                            "step %d: reward %.3f, staleness %.1f, ESS %.2f, buffer %d",
+                            self.step,
+                            self.last.get("reward/mean", 0),
+                            self.last.get("staleness/mean", 0),
+                            self.last.get("is/ess", 0),
+                            len(self.buffer),
+                        )
+                else:
+                    if self._unannounced:
+                        self.publish()
+                    waited += 0.5
+                    if waited >= self.opt.wait_log_s:
+                        log.info("waiting for trajectories (buffer %d batches)", len(self.buffer))
+                        waited = 0.0
+        finally:
+            if self.published_version != self.step:
+                try:
+                    self.publish()
+                except Exception as e:
+                    log.warning("final checkpoint not published (my state is saved): %s", e)
+            self.status.state = "leaving"
+            self._write_final_stats()
+            try:
+                self.node.call(hb.publish_once(), timeout=10)
+            except Exception as e:
+                log.debug("last heartbeat: %s", e)
+            hb_task.cancel()
+            self.node.close()  # no stream handler may touch the ledger after this
+            self.ledger.close()

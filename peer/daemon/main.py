@@ -1,0 +1,135 @@
+"""``heterorl peer``: join a run as a sampler (the volunteer default) or a learner, until stopped.
+
+Ctrl-C or SIGTERM: the sampler stops generating, sends what is queued for a few seconds (the rest stays in its
+on-disk outbox for next time) and leaves; the learner finishes its update, saves and publishes, and leaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+log = logging.getLogger("heterorl.peer")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    from heterorl.netflags import add_net_arguments
+
+    ap.add_argument("--role", choices=("sampler", "learner"), default="sampler", help="default: sampler")
+    ap.add_argument(
+        "--state-dir",
+        default="~/.heterorl/peer",
+        help="keys, outbox, chunk store, learner state and logs live here (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--key", default=None, help="identity key file (default: STATE_DIR/peer.key, made if missing)"
+    )
+    ap.add_argument(
+        "--run-id", default=None, help="the run to join (default: whatever the bootstrap peers serve)"
+    )
+    ap.add_argument(
+        "--run-key",
+        default=None,
+        metavar="HEX",
+        help="pin the coordinator's public key (default: trust on first use, stated in the log, then pinned)",
+    )
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: a GPU if any")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--join-timeout", type=float, default=120.0, help="seconds to wait for the RunSpec")
+    ap.add_argument("--slowdown", type=float, default=1.0, help="sampler: run this many times slower (tests)")
+    ap.add_argument("--max-batches", type=int, default=None, help="sampler: leave after this many batches")
+    ap.add_argument("--max-steps", type=int, default=None, help="learner: stop after this many updates")
+    ap.add_argument("--log-level", default="INFO")
+    add_net_arguments(ap)
+
+
+def run(args: argparse.Namespace, sampler_class: type | None = None) -> int:
+    """Join and run until stopped; ``sampler_class`` replaces the Sampler (hostile peers in tests)."""
+    from heterorl.netflags import net_config_from_args
+    from heterorl.protocol import load_or_create_identity
+
+    state_dir = Path(args.state_dir).expanduser()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    _log_to_file(state_dir / f"{args.role}.log", args.log_level)
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        if stop.is_set():
+            log.warning("second signal: leaving now")
+            os._exit(130)
+        log.info("%s: finishing and leaving", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        config = net_config_from_args(args)
+        identity, created = load_or_create_identity(args.key or state_dir / "peer.key")
+        run_key = bytes.fromhex(args.run_key) if args.run_key else None
+        if run_key is not None and len(run_key) != 32:
+            raise ValueError("--run-key must be 64 hex characters")
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    log.info("%s key %s (%s)", args.role, identity.public_key.hex(), "new" if created else "loaded")
+
+    import torch
+
+    from .hardware import detect
+    from .join import join
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is every thread?
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hw = detect(args.device)
+    log.info("hardware: %s", hw.describe())
+    try:
+        joined = join(
+            identity, config, state_dir, run_id=args.run_id, run_key=run_key, timeout=args.join_timeout
+        )
+    except (RuntimeError, TimeoutError) as e:
+        log.error("could not join: %s", e)
+        return 1
+    log.info("joined run %s as %s; my addresses: %s", joined.spec["run_id"], args.role, joined.node.maddrs)
+    try:
+        if args.role == "sampler":
+            from .sampler import Sampler, SamplerOptions
+
+            peer = (sampler_class or Sampler)(
+                joined, identity, state_dir, hw, SamplerOptions(args.slowdown, max_batches=args.max_batches)
+            )
+        else:
+            from .learner import Learner, LearnerOptions
+
+            peer = Learner(joined, identity, state_dir, hw, LearnerOptions(max_steps=args.max_steps))
+        peer.run(stop)
+    except (PermissionError, ValueError) as e:
+        log.error("%s", e)
+        return 1
+    except Exception:
+        log.exception("the %s failed", args.role)
+        return 1
+    finally:
+        joined.node.close()
+    log.info("left the run")
+    return 0
+
+
+def _log_to_file(path: Path, level: str) -> None:
+    """Log to stderr and to a size-capped file in the state directory."""
+    from logging.handlers import RotatingFileHandler
+
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = RotatingFileHandler(path, maxBytes=10 << 20, backupCount=2)
+    handler.setFormatter(fmt)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    for noisy in ("hivemind", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

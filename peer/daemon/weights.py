@@ -1,0 +1,55 @@
+"""The run's model by name (the tiny offline model is built where it is missing) and its weights as bytes."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from heterorl.protocol.checkpoint import deserialize_state_dict, serialize_state_dict
+
+log = logging.getLogger(__name__)
+
+TINY_MODEL = "tiny"
+
+
+def resolve_model(name: str, cache_dir: Path) -> str:
+    """A loadable path or hub id for the RunSpec's ``model``; "tiny" is built once under ``cache_dir``."""
+    if name != TINY_MODEL:
+        return name
+    from heterorl.peer.model import build_tiny_model
+
+    path = Path(cache_dir) / "tiny-model"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / "tiny-model.lock", "w") as lock:  # several peers on one host build it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").exists():
+            log.info("building the tiny offline model in %s", path)
+            build_tiny_model(path, progress=False)
+    return str(path)
+
+
+def weights_bytes(model: torch.nn.Module) -> bytes:
+    return serialize_state_dict(model.state_dict())
+
+
+def weights_hash(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def load_weights(model: torch.nn.Module, data: bytes) -> None:
+    """Load safetensors bytes into ``model``; ValueError if names or shapes differ from the model's."""
+    state = deserialize_state_dict(data)
+    own = model.state_dict()
+    if set(state) != set(own):
+        missing, extra = sorted(set(own) - set(state))[:3], sorted(set(state) - set(own))[:3]
+        raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {extra}")
+    for name, t in state.items():
+        if t.shape != own[name].shape:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(t.shape)}, model {tuple(own[name].shape)}"
+            )
+    model.load_state_dict(state)

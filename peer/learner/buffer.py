@@ -1,0 +1,56 @@
+"""The learner's bounded buffer of accepted batches, filled from the network thread, drained by training."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffered:
+    batch_id: bytes
+    author: bytes
+    body: dict
+    received_at: float
+
+    @property
+    def groups(self) -> int:
+        return len({r["group"] for r in self.body["rows"]})
+
+
+class TrajectoryBuffer:
+    """FIFO of accepted batches. ``has_room`` drives the receiver's flow control ("busy, retry later")."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self._items: collections.deque[Buffered] = collections.deque()
+        self._cond = threading.Condition()
+
+    def has_room(self) -> bool:
+        with self._cond:
+            return len(self._items) < self.capacity
+
+    def put(self, item: Buffered) -> None:
+        """Never refuses: an accepted batch is already in the ledger, so it must reach training."""
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
+
+    def take_groups(self, groups: int, timeout: float) -> list[Buffered] | None:
+        """The oldest batches holding at least ``groups`` prompt groups, or None if not there in time."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: sum(b.groups for b in self._items) >= groups, timeout):
+                return None
+            out, n = [], 0
+            while n < groups:
+                b = self._items.popleft()
+                out.append(b)
+                n += b.groups
+            return out
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)

@@ -1,0 +1,388 @@
+"""The coordinator dashboard: HTTP routes, Prometheus text, and the page in a real headless Chromium."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import html.parser
+import json
+import logging
+import math
+import re
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import pytest
+from chromium import find_or_install_chromium, headless, read_png
+
+from heterorl.coordinator.dashboard import DashboardServer, prometheus_text
+
+PLOTS = ("plot-reward", "plot-staleness", "plot-is", "plot-throughput", "plot-checkpoints")
+REWARD_RGB = (0x09, 0x69, 0xDA)  # PALETTE[0] in dashboard.html, the reward line
+
+
+def realistic_view(now: float | None = None) -> dict:
+    """A view shaped like ``SwarmView.snapshot``: a learner, samplers (one dead, one hostile), long curves."""
+    now = time.time() if now is None else now
+
+    def peer(key, role, state, version, tps, alive=True, rejected=0, seen=1.5):
+        return {
+            "key": key,
+            "role": role,
+            "state": state,
+            "policy_version": version,
+            "tokens_per_s": tps,
+            "hardware": "cpu x2, 24 GiB" if role == "sampler" else "H200 x1, 139 GiB",
+            "peer_id": "12D3KooW" + key,
+            "last_seen_s": seen,
+            "alive": alive,
+            "rejected": rejected,
+            "stats": {"batches_sent": 12.0},
+        }
+
+    steps = range(1, 37)
+    return {
+        "run_id": "demo",
+        "now": now,
+        "coordinator": {
+            "peer_id": "12D3KooWcoord",
+            "maddrs": [f"/ip4/{ip}/tcp/4001/p2p/12D3KooWcoord" for ip in ("127.0.0.1", "10.0.0.5")],
+            "started_at": now - 120,
+        },
+        "spec": {"model": "runs/tiny-model", "task": "arithmetic", "objective": "gepo"},
+        "peers": [
+            peer("1ea4e7a0", "learner", "training", 9, 850.0),
+            peer("ab12cd34", "sampler", "generating", 9, 120.5),
+            peer("cd34ef56", "sampler", "generating", 8, 64.25),
+            peer("77aa88bb", "sampler", "generating", 3, 0.0, alive=False, seen=42.0),
+            peer("ef56ab78", "sampler", "generating", 1, 300.0, rejected=3),
+        ],
+        "checkpoints": [
+            {"version": v, "total_size": 560000, "chunks": 1, "seen_at": now - 90 + 10 * v} for v in range(10)
+        ],
+        "latest_version": 9,
+        "learner": {
+            "key": "1ea4e7a0",
+            "step": 36,
+            "version": 9,
+            "accepted": 140,
+            "rejected": 4,
+            "reward_curve": [[s, 0.1 + 0.6 * (1 - math.exp(-s / 12)) + 0.03 * math.sin(s)] for s in steps],
+            "ess_curve": [[s, 0.95 - 0.2 * math.exp(-s / 8)] for s in steps],
+            "is_var_curve": [[s, 0.02 + 0.01 * math.cos(s / 3)] for s in steps],
+            "staleness_hist": {"0": 61, "1": 40, "2-3": 25, "4-7": 10, "8-15": 3, "16+": 1},
+            "rejected_by_author": {"ef56ab78": 3, "99ff00ee": 1},
+        },
+        "throughput": {
+            "ab12cd34": [[now - 60 + 2 * i, 110 + 10 * math.sin(i / 4)] for i in range(30)],
+            "cd34ef56": [[now - 60 + 2 * i, 60 + 5 * math.cos(i / 5)] for i in range(30)],
+        },
+        "checkpoint_versions": [[now - 90 + 10 * v, v] for v in range(10)],
+    }
+
+
+def get(url: str) -> tuple[int, dict[str, str], bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
+    """Prometheus text -> {(name, labels): value}; asserts each sample's metric has HELP and TYPE first."""
+    out, typed, helped = {}, set(), set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+        elif line.startswith("# HELP "):
+            helped.add(line.split()[2])
+        elif line:
+            m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)", line)
+            assert m, line
+            name, labels, value = m.groups()
+            assert name in typed and name in helped, line
+            pairs = re.findall(r'([a-zA-Z_]\w*)="((?:[^"\\]|\\.)*)"', labels or "")
+            unescaped = {k: re.sub(r"\\(.)", lambda c: "\n" if c[1] == "n" else c[1], v) for k, v in pairs}
+            out[name, frozenset(unescaped.items())] = float(value)
+    return out
+
+
+def sample(metrics: dict, name: str, **labels: str) -> float:
+    return metrics[name, frozenset(labels.items())]
+
+
+@pytest.fixture
+def dashboard():
+    view = realistic_view()
+    state = {"fail": False, "view": view}
+
+    def view_fn() -> dict:
+        if state["fail"]:
+            raise RuntimeError("view exploded")
+        return state["view"]
+
+    server = DashboardServer(view_fn, lambda: prometheus_text(view_fn())).start()
+    yield server, state
+    server.stop()
+
+
+# ---- HTTP routes ----
+
+
+def test_routes(dashboard, capfd):
+    server, state = dashboard
+    assert server.url == f"http://127.0.0.1:{server.port}/" and server.port > 0
+
+    code, headers, body = get(server.url + "api/view")
+    assert code == 200 and headers["Content-Type"] == "application/json"
+    assert headers["Cache-Control"] == "no-store"
+    assert json.loads(body) == state["view"]
+    assert get(server.url + "api/view?t=123")[0] == 200
+
+    code, headers, body = get(server.url + "healthz")
+    assert code == 200 and body.strip() == b"ok"
+
+    code, headers, body = get(server.url)
+    page = body.decode()
+    assert code == 200 and headers["Content-Type"].startswith("text/html")
+    assert "default-src 'self'" in headers["Content-Security-Policy"]
+    assert all(f'id="{p}"' in page for p in PLOTS)
+    # Offline: nothing loaded from elsewhere (no CDN script, stylesheet, font or image).
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//|@import|url\(\s*["']?(https?:)?//""", page)
+
+    for path in ("nope", "api", "api/view/extra", "metrics/x"):
+        assert get(server.url + path)[0] == 404, path
+    assert capfd.readouterr().err == ""  # the stdlib's per-request stderr lines are silenced
+
+
+def test_metrics_match_view(dashboard):
+    server, state = dashboard
+    code, headers, body = get(server.url + "metrics")
+    assert code == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    m, v = parse_metrics(body.decode()), state["view"]
+    learner = v["learner"]
+    assert sample(m, "heterorl_peers_alive", role="sampler") == 3
+    assert sample(m, "heterorl_peers_alive", role="learner") == 1
+    assert sample(m, "heterorl_learner_step") == 36
+    assert sample(m, "heterorl_learner_reward") == pytest.approx(learner["reward_curve"][-1][1], rel=1e-12)
+    assert sample(m, "heterorl_batches_accepted_total") == 140
+    assert sample(m, "heterorl_batches_rejected_total") == 4
+    assert sample(m, "heterorl_checkpoint_version") == 9
+    for p in v["peers"]:
+        tps = sample(m, "heterorl_peer_tokens_per_second", peer=p["key"], role=p["role"])
+        assert tps == p["tokens_per_s"]
+    for bucket, n in learner["staleness_hist"].items():
+        assert sample(m, "heterorl_staleness_batches", bucket=bucket) == n
+
+
+def test_errors_in_view_give_500_and_server_survives(dashboard, caplog):
+    server, state = dashboard
+    state["fail"] = True
+    with caplog.at_level(logging.ERROR, logger="heterorl.coordinator.dashboard"):
+        for path in ("api/view", "metrics"):
+            code, _, body = get(server.url + path)
+            assert code == 500 and b"RuntimeError" in body and b"exploded" not in body
+    assert sum(bool("failed" in r.getMessage() and r.exc_info) for r in caplog.records) == 2
+    assert get(server.url + "healthz")[0] == 200
+    state["fail"] = False
+    assert get(server.url + "api/view")[0] == 200
+    assert get(server.url + "metrics")[0] == 200
+
+
+def test_non_finite_numbers_stay_valid_json(dashboard):
+    server, state = dashboard
+    state["view"] = {**state["view"], "learner": {"reward_curve": [[1, float("nan")], [2, float("inf")]]}}
+    code, _, body = get(server.url + "api/view")
+
+    def reject(name: str) -> None:
+        raise AssertionError(f"non-JSON constant {name}")
+
+    assert code == 200
+    assert json.loads(body, parse_constant=reject)["learner"]["reward_curve"] == [[1, None], [2, None]]
+
+
+def test_stop_is_idempotent_and_closes_the_port():
+    server = DashboardServer(dict, str).start()
+    url = server.url
+    assert get(url + "api/view")[2] == b"{}"
+    server.stop()
+    server.stop()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url + "healthz", timeout=2)
+    with pytest.raises(RuntimeError):
+        server.start()
+
+
+# ---- prometheus_text ----
+
+
+def test_prometheus_label_escaping():
+    nasty = 'a"b\\c\nd'
+    text = prometheus_text({"peers": [{"key": nasty, "role": "sampler", "tokens_per_s": 1.5, "alive": True}]})
+    assert 'heterorl_peer_tokens_per_second{peer="a\\"b\\\\c\\nd",role="sampler"} 1.5' in text.splitlines()
+    assert "\nd" not in text.replace("\\n", "")  # no raw newline leaks into a sample line
+    assert sample(parse_metrics(text), "heterorl_peer_tokens_per_second", peer=nasty, role="sampler") == 1.5
+
+
+def test_prometheus_missing_and_odd_values():
+    text = prometheus_text({})  # an empty view: HELP/TYPE lines, zero alive peers, no other samples
+    m = parse_metrics(text)
+    assert m == {
+        ("heterorl_peers_alive", frozenset({("role", "learner")})): 0,
+        ("heterorl_peers_alive", frozenset({("role", "sampler")})): 0,
+    }
+    assert text.count("# TYPE ") == 8 and text.endswith("\n")
+
+    view = {
+        "latest_version": 4,
+        "learner": {"step": None, "reward_curve": [[3, float("nan")]], "accepted": True, "rejected": "x"},
+        "peers": [{"key": "k", "role": "sampler", "tokens_per_s": float("inf"), "alive": True}],
+    }
+    lines = prometheus_text(view).splitlines()
+    assert "heterorl_learner_reward NaN" in lines
+    assert 'heterorl_peer_tokens_per_second{peer="k",role="sampler"} +Inf' in lines
+    assert "heterorl_checkpoint_version 4" in lines  # falls back to latest_version
+    assert "heterorl_batches_accepted_total 1" in lines
+    skipped = ("heterorl_learner_step ", "heterorl_batches_rejected_total ")  # None and "x": no sample
+    assert not any(line.startswith(skipped) for line in lines)
+    from_list = prometheus_text({"checkpoints": [{"version": 7}, {"version": 2}]})
+    assert "heterorl_checkpoint_version 7" in from_list.splitlines()
+
+
+# ---- the page in a real browser ----
+
+
+class DomProbe(html.parser.HTMLParser):
+    """Collects canvas attributes, the #error banner and the rows of the peers table from a dumped DOM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.canvases: dict[str, dict[str, str | None]] = {}
+        self.rows: list[dict] = []
+        self.error: dict | None = None
+        self._in_peers = self._in_error = False
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "canvas":
+            self.canvases[a.get("id", "")] = a
+        elif tag == "table" and a.get("id") == "peers":
+            self._in_peers = True
+        elif tag == "tr" and self._in_peers:
+            self.rows.append({"class": (a.get("class") or "").split(), "key": a.get("data-key"), "cells": []})
+        elif tag in ("td", "th") and self._in_peers:
+            self._cell = []
+        elif tag == "div" and a.get("id") == "error":
+            self.error, self._in_error = {"attrs": a, "text": ""}, True
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "table":
+            self._in_peers = False
+        elif tag in ("td", "th") and self._cell is not None:
+            self.rows[-1]["cells"].append("".join(self._cell).strip())
+            self._cell = None
+        elif tag == "div":
+            self._in_error = False
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+        if self._in_error and self.error is not None:
+            self.error["text"] += data
+
+
+def probe(dom: str) -> DomProbe:
+    p = DomProbe()
+    p.feed(dom)
+    return p
+
+
+@pytest.fixture(scope="module")
+def browser() -> str:
+    path = find_or_install_chromium()
+    if path is None:
+        pytest.skip("no chromium/chrome binary and could not apt-get install one (needs root and apt-get)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def rendered(browser, tmp_path_factory):
+    """The page rendered by headless Chromium: the full view (DOM and screenshot) and an empty view (DOM)."""
+    view = realistic_view()
+    full = DashboardServer(lambda: view, lambda: prometheus_text(view)).start()
+    empty = DashboardServer(dict, str).start()
+    shot = tmp_path_factory.mktemp("shot") / "dashboard.png"
+    t0 = time.monotonic()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            jobs = [
+                pool.submit(headless, browser, full.url, "--dump-dom"),
+                pool.submit(headless, browser, full.url, f"--screenshot={shot}"),
+                pool.submit(headless, browser, empty.url, "--dump-dom"),
+            ]
+            dom, _, empty_dom = (j.result() for j in jobs)
+    finally:
+        full.stop()
+        empty.stop()
+    logging.getLogger(__name__).info("chromium: %.1f s for three headless runs", time.monotonic() - t0)
+    return {"view": view, "dom": probe(dom), "empty": probe(empty_dom), "shot": shot}
+
+
+def test_browser_draws_every_plot(rendered):
+    dom, view = rendered["dom"], rendered["view"]
+    assert dom.error is not None and "hidden" in dom.error["attrs"] and not dom.error["text"].strip()
+    points = {p: int(dom.canvases[p].get("data-points") or 0) for p in PLOTS}
+    learner = view["learner"]
+    assert points == {
+        "plot-reward": len(learner["reward_curve"]),
+        "plot-staleness": len(learner["staleness_hist"]),
+        "plot-is": len(learner["ess_curve"]) + len(learner["is_var_curve"]),
+        "plot-throughput": sum(len(s) for s in view["throughput"].values()),
+        "plot-checkpoints": len(view["checkpoint_versions"]),
+    }
+
+
+def test_browser_peers_table(rendered):
+    dom, view = rendered["dom"], rendered["view"]
+    body = [r for r in dom.rows if r["key"] is not None]
+    by_key = {r["key"]: r for r in body}
+    assert [r["key"] for r in body[: len(view["peers"])]] == [p["key"] for p in view["peers"]]
+    for p in view["peers"]:
+        cells = by_key[p["key"]]["cells"]
+        assert cells[:3] == [p["key"], p["role"], p["state"]]
+        assert cells[7] == ("alive" if p["alive"] else "dead")
+    assert "hostile" in by_key["ef56ab78"]["class"] and by_key["ef56ab78"]["cells"][8] == "3"
+    assert "dead" in by_key["77aa88bb"]["class"] and "hostile" not in by_key["77aa88bb"]["class"]
+    assert "hostile" not in by_key["ab12cd34"]["class"]
+    # A rejected author that sends no heartbeat still gets a (red) row.
+    assert "hostile" in by_key["99ff00ee"]["class"] and by_key["99ff00ee"]["cells"][2] == "no heartbeat"
+
+
+def test_browser_screenshot_shows_the_reward_curve(rendered):
+    left, top, width, height = map(int, rendered["dom"].canvases["plot-reward"]["data-box"].split(","))
+    assert width > 200 and height > 100
+    w, h, channels, rows = read_png(rendered["shot"], max_rows=top + height)
+    assert (w, h) == (1400, 1800) and top + height <= h and left + width <= w
+    pixels = Counter()
+    for row in rows[top : top + height]:
+        for x in range(left, left + width):
+            pixels[row[x * channels : x * channels + 3]] += 1
+    total = width * height
+    background, n_background = pixels.most_common(1)[0]
+    assert len(pixels) > 20, "the reward canvas is (nearly) one colour"
+    assert total - n_background > 0.02 * total  # axes, grid, labels and the curve cover a visible share
+    near_line = sum(
+        n for rgb, n in pixels.items() if max(abs(a - b) for a, b in zip(rgb, REWARD_RGB, strict=True)) < 24
+    )
+    assert near_line > 300, "no reward-line pixels in the reward canvas"
+
+
+def test_browser_empty_view_waits_for_data(rendered):
+    dom = rendered["empty"]
+    assert dom.error is not None and "hidden" in dom.error["attrs"], dom.error
+    for p in PLOTS:
+        assert "data-points" not in dom.canvases[p] and dom.canvases[p].get("data-state") == "waiting"
+    assert [r["cells"] for r in dom.rows[1:]] == [["no peers yet"]]

@@ -1,0 +1,135 @@
+"""The swarm as users run it: real coordinator, learner and sampler processes on 127.0.0.1.
+
+Each process has its own go-libp2p daemon, DHT node and state directory; nothing is mocked. These runs take
+tens of seconds each on 2 CPU cores (marked slow).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from heterorl.local import stop_all
+from heterorl.protocol import load_or_create_identity
+from heterorl.protocol.ledger import AcceptedLog
+from heterorl.testing.swarm import Swarm
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def swarm(tmp_path, tiny_model_dir):
+    s = Swarm(tmp_path / "swarm", tiny_model_dir)
+    yield s
+    s.close()
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+def _applied_once(swarm: Swarm) -> tuple[set[bytes], list[bytes]]:
+    """Batch ids in the learner's final lineage, and any id that appears in two of its steps."""
+    seen, twice = set(), []
+    for row in swarm.metrics():
+        for b in row["batches"]:
+            bid = bytes.fromhex(b)
+            if bid in seen:
+                twice.append(bid)
+            seen.add(bid)
+    return seen, twice
+
+
+def test_heterorl_local_learns_and_every_sampler_follows_the_checkpoints(tmp_path, tiny_model_dir):
+    out = tmp_path / "local"
+    steps = 60
+    cmd = [sys.executable, "-m", "heterorl.cli", "local", "--samplers", "3", "--steps", str(steps)]
+    cmd += ["--out", str(out), "--model", str(tiny_model_dir), "--no-view", "--lr", "2e-3"]
+    cmd += ["--sampler-slowdown", "1", "1", "3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    curve = summary["reward_curve"]
+    assert len(curve) == steps
+    assert _mean(curve[-15:]) > _mean(curve[:15]) + 0.05, curve  # it learns
+    assert summary["batches_rejected"] == 0 and summary["batches_accepted"] >= steps * 8 // 2
+    assert sum(summary["staleness"].values()) == summary["batches_applied"]
+    assert summary["staleness"]["0"] + summary["staleness"]["1"] < summary["batches_applied"]  # some stale
+    assert set(summary["samplers"]) == {"sampler-0", "sampler-1", "sampler-2"}
+    for name, s in summary["samplers"].items():
+        versions = s["versions_loaded"]
+        assert versions[0] == 0 and versions == sorted(versions), (name, versions)
+        assert versions[-1] >= steps // 2, (name, versions)  # checkpoints reached every sampler, late too
+    assert "learner updates" in done.stdout
+
+
+def test_churn_samplers_learner_and_coordinator_come_and_go(swarm):
+    swarm.start_coordinator()
+    run_id = swarm.ready["run_id"]
+    learner = swarm.start_learner()
+    s0, s1 = swarm.start_sampler("s0"), swarm.start_sampler("s1")
+    swarm.wait_step(4)
+    s0.kill()  # a volunteer vanishes without a goodbye; another one joins
+    s2 = swarm.start_sampler("s2")
+    swarm.wait_step(10)
+    learner.kill()  # SIGKILL mid-run: it must resume from its own state
+    at_kill = swarm.step()
+    learner = swarm.start_learner()
+    swarm.wait_step(at_kill + 5)
+    swarm.coord.terminate()  # the run goes on without the coordinator
+    t_stop = time.time()
+    swarm.wait_step(swarm.step() + 4)
+    assert max(r["time"] for r in swarm.metrics()) > t_stop
+    # a restarted coordinator resumes its view: same run, history kept
+    swarm.start_coordinator()
+    assert swarm.ready["run_id"] == run_id
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        view = swarm.view()
+        if any(p["role"] == "learner" and p["alive"] for p in view["peers"]):
+            break
+        time.sleep(1)
+    assert view["learner"]["reward_curve"] and view["latest_version"] >= at_kill
+    stop_all([learner, s1, s2])
+    # exactly once: no batch applied twice in the final lineage, every applied id is in the ledger
+    applied, twice = _applied_once(swarm)
+    assert not twice
+    with AcceptedLog(swarm.learner_dir / "accepted.sqlite") as ledger:
+        ids = {i for i in ledger.applied_ids()}
+        assert applied <= ids
+        assert ledger.count() >= len(applied)
+    authors = {a for r in swarm.metrics() for a in r["authors"]}
+    s2_key = load_or_create_identity(swarm.root / "s2" / "peer.key")[0].public_key.hex()[:16]
+    assert s2_key in authors  # the newcomer's data was used
+    log = (swarm.learner_dir / "learner.log").read_text()
+    assert "resumed from my own state" in log and "Traceback" not in log
+
+
+@pytest.mark.parametrize("modes", [("wrong-reward", "forged", "other-run", "foreign-prompt")])
+def test_hostile_samplers_are_rejected_shown_and_do_not_stop_learning(swarm, modes):
+    swarm.start_coordinator()
+    swarm.start_learner()
+    swarm.start_sampler("honest")
+    keys = {}
+    for m in modes:
+        keys[m] = load_or_create_identity(swarm.root / m / "peer.key")[0].public_key.hex()
+        swarm.start_sampler(m, "--mode", m, module="heterorl.testing.hostile")
+    swarm.wait_step(12, timeout=240)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        view = swarm.view()
+        shown = {p["key"]: p for p in view["peers"]}
+        if all(shown.get(k[:8], {}).get("rejected", 0) > 0 for k in keys.values()):
+            break
+        time.sleep(1)
+    for m, k in keys.items():
+        assert shown[k[:8]]["rejected"] > 0, (m, view["peers"], view["learner"])
+    honest = load_or_create_identity(swarm.root / "honest" / "peer.key")[0].public_key.hex()
+    assert shown[honest[:8]]["rejected"] == 0
+    authors = {a for r in swarm.metrics() for a in r["authors"]}
+    assert authors == {honest[:16]}  # nothing hostile entered training
+    assert view["learner"]["rejected"] > 0

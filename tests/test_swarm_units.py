@@ -1,0 +1,112 @@
+"""The swarm's pure parts: run.toml, the learner's buffer, batch tensors, staleness buckets, saved state."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from heterorl.coordinator.runconfig import EXAMPLE, RunSettings, load_run_config, parse_run_config
+from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer
+from heterorl.peer.learner.state import load_state, save_state
+from heterorl.peer.learner.update import rows_from_bodies, staleness_bucket
+
+KEY = "ab" * 32
+
+
+def test_example_config_parses_and_round_trips_through_the_runspec(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(EXAMPLE.replace("<64 hex chars>", KEY))
+    cfg = load_run_config(path)
+    assert (cfg.run_id, cfg.objective, cfg.learner.group_size) == ("my-run", "gepo", 8)
+    body = cfg.runspec_body(b"\x01" * 32, 40)
+    settings = RunSettings.from_spec(body)
+    assert settings.learner == cfg.learner and settings.sampler == cfg.sampler
+    assert settings.learner_keys == (bytes.fromhex(KEY),) and settings.task_params == {"digits": 1}
+    assert settings.lr == cfg.lr and settings.max_new_tokens == 6
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"learner_keys": []}, "learner_keys is empty"),
+        ({"learner_keys": ["abcd"]}, "not 64 hex"),
+        ({"learner_keys": [KEY], "objective": {"name": "nope"}}, "nope"),
+        ({"learner_keys": [KEY], "learner": {"batch": 3}}, "unknown setting"),
+        ({"learner_keys": [KEY], "colour": "red"}, "unknown section"),
+        ({"learner_keys": [KEY], "learner": {"group_size": 0}}, "group_size"),
+    ],
+)
+def test_bad_configs_say_what_is_wrong(data, match):
+    with pytest.raises(ValueError, match=match):
+        parse_run_config(data)
+
+
+def test_a_run_id_is_made_when_none_is_given():
+    a, b = parse_run_config({"learner_keys": [KEY]}), parse_run_config({"learner_keys": [KEY]})
+    assert a.run_id.startswith("run-") and a.run_id != b.run_id
+
+
+def _body(groups: int, version: int, rows_per_group: int = 2, tokens: int = 3) -> dict:
+    rows = [
+        {
+            "group": g,
+            "prompt_ids": [1, 2 + g],
+            "completion_ids": list(range(5, 5 + tokens - (i % 2))),
+            "logprobs": [-0.5] * (tokens - (i % 2)),
+            "reward": float(i % 2),
+        }
+        for g in range(groups)
+        for i in range(rows_per_group)
+    ]
+    return {"batch_id": bytes([version, groups]) * 8, "policy_version": version, "rows": rows}
+
+
+def test_buffer_hands_out_whole_batches_by_groups_and_waits():
+    buf = TrajectoryBuffer(capacity=3)
+    assert buf.take_groups(2, timeout=0.01) is None
+    for v in range(3):
+        buf.put(Buffered(bytes([v]) * 16, b"a", _body(1, v), time.time()))
+    assert not buf.has_room()
+    got = buf.take_groups(2, timeout=0.01)
+    assert [b.body["policy_version"] for b in got] == [0, 1] and len(buf) == 1
+    threading.Timer(0.05, lambda: buf.put(Buffered(b"x" * 16, b"a", _body(2, 7), time.time()))).start()
+    got = buf.take_groups(3, timeout=5)
+    assert [b.body["policy_version"] for b in got] == [2, 7]
+
+
+def test_rows_from_bodies_pads_and_keeps_groups_apart():
+    rows = rows_from_bodies([_body(2, 4), _body(1, 6)], pad_id=0)
+    assert rows.completions.shape == (6, 3) and rows.mask.sum().item() == 3 + 2 + 3 + 2 + 3 + 2
+    assert rows.group_ids.tolist() == [0, 0, 1, 1, 2, 2]  # group 0 of the second batch is a new group
+    assert rows.versions.tolist() == [4, 4, 4, 4, 6, 6]
+    assert rows.logq[1, 2].item() == 0.0 and rows.completions[1, 2].item() == 0  # padding
+    assert rows.rewards.tolist() == [0.0, 1.0] * 3
+
+
+@pytest.mark.parametrize(
+    "delta, bucket",
+    [(-1, "0"), (0, "0"), (1, "1"), (2, "2-3"), (3, "2-3"), (7, "4-7"), (15, "8-15"), (64, "16+")],
+)
+def test_staleness_buckets(delta, bucket):
+    assert staleness_bucket(delta) == bucket
+
+
+def test_saved_state_restores_model_optimizer_and_step(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    save_state(tmp_path, model, opt, 7, {"run_id": "r"})
+    save_state(tmp_path, model, opt, 8, {"run_id": "r"})
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000008"]
+    other = torch.nn.Linear(4, 3)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
+    meta = load_state(tmp_path, other, other_opt)
+    assert meta == {"run_id": "r", "step": 8}
+    assert torch.equal(other.weight, model.weight)
+    assert torch.equal(other_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert load_state(tmp_path / "none", other, other_opt) is None
