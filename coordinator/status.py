@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -13,6 +14,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
     ap.add_argument("--run-id", default=None, help="default: the run the bootstrap peers serve")
     ap.add_argument("--json", action="store_true", help="print the whole view as JSON")
+    ap.add_argument("--looks", type=int, default=3, help="DHT lookups merged into the view (default: 3)")
     add_net_arguments(ap)
     ap.set_defaults(client_mode=True)
 
@@ -39,7 +41,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         _, spec, author = find_spec(node, list(config.bootstrap), args.run_id, None, timeout=30)
         view = SwarmView(spec["run_id"], spec)
-        view.apply(*node.call(fetch_records(node, spec["run_id"]), timeout=30))
+        for i in range(args.looks):  # DHT lookups can miss a record that another look finds: merge a few
+            if i:
+                time.sleep(1.0)
+            view.apply(*node.call(fetch_records(node, spec["run_id"]), timeout=30))
         snap = view.snapshot()
     except (TimeoutError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -87,6 +87,7 @@ class Proc:
         log_path: Path,
         stdout=subprocess.DEVNULL,
         module: str = "heterorl.cli",
+        wrap: list[str] | None = None,
     ):
         self.name = name
         self.log_path = log_path
@@ -94,7 +95,7 @@ class Proc:
         self._log = open(log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.p = subprocess.Popen(
-            [sys.executable, "-m", module, *argv],
+            [*(wrap or []), sys.executable, "-m", module, *argv],
             stdout=stdout,
             stderr=self._log,
             stdin=subprocess.DEVNULL,

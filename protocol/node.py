@@ -228,6 +228,33 @@ class Node:
                 log.warning("ignored a DHT record under %s: %s", key, e)
         return out
 
+    def known_dht_peers(self) -> int:
+        """How many DHT peers our routing table holds (0 after a long outage: time to :meth:`rejoin`)."""
+        return len(self.dht.protocol.routing_table.uid_to_peer_id)
+
+    async def rejoin(self, maddrs: Sequence[str] = ()) -> int:
+        """Ping the bootstrap (and ``maddrs``) peers again and look up our neighbours; returns who answered.
+
+        hivemind forgets peers that stop answering; after a network outage a node may know nobody and would
+        keep storing its records only locally.
+        """
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        answered = 0
+        for m in dict.fromkeys([*self.config.bootstrap, *maddrs]):
+            if "/p2p/" not in m or m.endswith(self.peer_id):
+                continue
+            pid = PeerID.from_base58(m.split("/p2p/")[-1])
+            try:
+                await asyncio.wait_for(self.p2p._client.connect(pid, [Multiaddr(m.split("/p2p/")[0])]), 5)
+                answered += await asyncio.wait_for(self.dht.protocol.call_ping(pid), 5) is not None
+            except Exception as e:
+                log.debug("rejoin through %s failed: %s", m, e)
+        if answered:
+            await asyncio.wait_for(self.dht.find_nearest_nodes([self.dht.node_id]), 10)
+        return answered
+
     # ---- streams ----
 
     async def add_handler(self, name: str, handler: StreamHandler) -> None:

@@ -40,26 +40,28 @@ class Swarm:
         )
         return path
 
-    def start_coordinator(self, *extra: str) -> dict:
+    def start_coordinator(self, *extra: str, wrap: list[str] | None = None) -> dict:
         args = ["coordinator", "--state-dir", str(self.root / "coordinator"), "--dashboard-port", "0"]
         if not (self.root / "coordinator" / "runspec.msgpack").exists():
             args += ["--run-config", str(self.run_toml())]
-        self.coord = self._start("coordinator", [*args, *extra], stdout=subprocess.PIPE)
+        self.coord = self._start("coordinator", [*args, *extra], stdout=subprocess.PIPE, wrap=wrap)
         self.ready = _ready_line(self.coord, 120)
         return self.ready
 
     def bootstrap(self) -> list[str]:
         return ["--bootstrap", *self.ready["maddrs"], "--run-key", self.ready["run_key"]]
 
-    def start_learner(self, *extra: str) -> Proc:
+    def start_learner(self, *extra: str, wrap: list[str] | None = None) -> Proc:
         args = ["peer", "--role", "learner", "--state-dir", str(self.learner_dir), "--threads", "1"]
-        return self._start("learner", [*args, *self.bootstrap(), *extra])
+        return self._start("learner", [*args, *self.bootstrap(), *extra], wrap=wrap)
 
-    def start_sampler(self, name: str, *extra: str, module: str = "heterorl.cli") -> Proc:
+    def start_sampler(
+        self, name: str, *extra: str, module: str = "heterorl.cli", wrap: list[str] | None = None
+    ) -> Proc:
         args = ["--state-dir", str(self.root / name), "--threads", "1", *self.bootstrap(), *extra]
         if module == "heterorl.cli":
             args = ["peer", *args]
-        return self._start(name, args, module=module)
+        return self._start(name, args, module=module, wrap=wrap)
 
     def _start(self, name: str, argv: list[str], **kw) -> Proc:
         p = Proc(name, argv, self.root / f"{name}.stderr.log", **kw)

@@ -17,7 +17,7 @@ from heterorl.protocol.dht import peers_key
 from heterorl.protocol.messages import pack_stats
 from heterorl.protocol.node import Node
 
-from .join import remember_peers
+from .join import known_peers, remember_peers
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,13 @@ class Heartbeat:
         ok = await self.node.publish("Heartbeat", body, HEARTBEAT_TTL_S)
         self.published += ok
         self.failures += not ok
+        if not ok or self.node.known_dht_peers() == 0:
+            known = known_peers(self.state_dir) if self.state_dir is not None else []
+            answered = await self.node.rejoin(known)
+            if answered:
+                log.warning("lost the DHT; rejoined through %d peer(s)", answered)
+            else:
+                log.warning("cannot reach any DHT peer (bootstrap or seen before); retrying")
         if self.state_dir is not None and time.monotonic() - self._last_peers > 30:
             self._last_peers = time.monotonic()
             seen = [
