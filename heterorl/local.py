@@ -27,7 +27,7 @@ log = logging.getLogger("heterorl.local")
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--samplers", type=int, default=2, help="sampler processes (default: %(default)s)")
-    ap.add_argument("--steps", type=int, default=60, help="stop after this many learner updates")
+    ap.add_argument("--steps", type=int, default=150, help="stop after this many learner updates")
     ap.add_argument(
         "--out", default="runs/local-swarm", help="state, logs, summary.json (default: %(default)s)"
     )

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
+import os
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
@@ -77,6 +80,33 @@ class Record:
     expiration_time: float
 
 
+def sweep_stale_sockets(directory: str = "/tmp") -> int:
+    """Delete hivemind's unix sockets that nobody listens on any more (left behind by SIGKILLed peers)."""
+    import glob
+    import socket
+
+    removed = 0
+    for path in glob.glob(os.path.join(directory, "hivemind-p2p*.sock")):
+        try:
+            if os.path.getmtime(path) > time.time() - 60:  # may belong to a peer starting right now
+                continue
+        except OSError:
+            continue
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(0.5)
+        try:
+            s.connect(path)
+        except ConnectionRefusedError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            pass  # busy, or not ours to judge
+        finally:
+            s.close()
+    return removed
+
+
 class Node:
     """Create with :meth:`Node.start`; close with :meth:`Node.close` (idempotent)."""
 
@@ -104,6 +134,9 @@ class Node:
     @classmethod
     def start(cls, identity: Identity, config: NetConfig | None = None) -> Node:
         """Start the daemon and join the DHT; raises RuntimeError saying what failed."""
+        removed = sweep_stale_sockets()
+        if removed:
+            log.info("removed %d stale libp2p daemon socket(s) left by killed peers", removed)
         self = cls(identity, config or NetConfig())
         self._thread.start()
         try:
@@ -227,6 +260,11 @@ class Node:
             except ProtocolError as e:
                 log.warning("ignored a DHT record under %s: %s", key, e)
         return out
+
+    def daemon_alive(self) -> bool:
+        """False once the go-libp2p daemon process has exited (the node is then useless: restart the peer)."""
+        child = getattr(self.p2p, "_child", None)
+        return child is None or child.returncode is None
 
     def known_dht_peers(self) -> int:
         """How many DHT peers our routing table holds (0 after a long outage: time to :meth:`rejoin`)."""

@@ -110,3 +110,30 @@ def test_saved_state_restores_model_optimizer_and_step(tmp_path):
     assert torch.equal(other.weight, model.weight)
     assert torch.equal(other_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     assert load_state(tmp_path / "none", other, other_opt) is None
+
+
+def test_stale_daemon_sockets_are_swept_live_and_young_ones_kept(tmp_path):
+    import os
+    import socket
+
+    from heterorl.protocol.node import sweep_stale_sockets
+
+    def bound(name: str, listen: bool) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(tmp_path / name))
+        if listen:
+            s.listen()
+        return s
+
+    live = bound("hivemind-p2pd-live.sock", listen=True)
+    bound("hivemind-p2pd-dead.sock", listen=False).close()
+    bound("hivemind-p2pclient-young.sock", listen=False).close()
+    old = time.time() - 600
+    for name in ("hivemind-p2pd-live.sock", "hivemind-p2pd-dead.sock"):
+        os.utime(tmp_path / name, (old, old))
+    assert sweep_stale_sockets(str(tmp_path)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "hivemind-p2pclient-young.sock",
+        "hivemind-p2pd-live.sock",
+    ]
+    live.close()

@@ -69,7 +69,7 @@ class Learner:
         self.state_dir, self.hw, self.opt = state_dir, hardware, options
         self.status = Status()
         self.model, self.tok = load_model(
-            resolve_model(s.model, state_dir.parent / "models"), device=hardware.device
+            resolve_model(s.model, state_dir / "models"), device=hardware.device
         )
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, weight_decay=0.0)
         meta = load_state(state_dir / "state", self.model, self.optimizer)
@@ -270,6 +270,8 @@ class Learner:
         waited = 0.0
         try:
             while not stop.is_set():
+                if not self.node.daemon_alive():
+                    raise RuntimeError("the libp2p daemon died; exiting so that a supervisor restarts me")
                 if self.opt.max_steps is not None and self.step >= self.opt.max_steps:
                     log.info("reached %d updates; stopping", self.step)
                     break

@@ -69,7 +69,7 @@ class Sampler:
         self.loaded: list[int] = []
         s = self.settings
         self.model, self.tok = load_model(
-            resolve_model(s.model, state_dir.parent / "models"), device=hardware.device
+            resolve_model(s.model, state_dir / "models"), device=hardware.device
         )
         if self.model.config.vocab_size != s.vocab_size:
             raise ValueError(
@@ -247,6 +247,8 @@ class Sampler:
     def _loop(self, stop: threading.Event) -> None:
         ema = 0.0
         while not stop.is_set():
+            if not self.node.daemon_alive():
+                raise RuntimeError("the libp2p daemon died; exiting so that a supervisor restarts this peer")
             if self.opt.max_batches is not None and self.batches >= self.opt.max_batches:
                 return
             self._maybe_switch()
