@@ -260,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "run.toml").write_text(_run_toml(args, model, learner_key.public_key.hex(), run_id))
     procs: list[Proc] = []
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # leave through `finally`: stop the children
     view = None
     try:
         coord = Proc(

@@ -41,8 +41,8 @@ def _rss_by_role(out: Path) -> dict[str, int]:
         rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
     roles: dict[str, int] = {}
     for pid, (_ppid, cmd) in procs.items():
-        if str(out) not in cmd or " -m heterorl.cli " not in f" {cmd}":
-            continue
+        if str(out) not in cmd or " -m heterorl.cli " not in f" {cmd}" or " -m heterorl.cli local " in cmd:
+            continue  # only the role processes (their p2pd children are added below), not `local` itself
         role = (
             "coordinator" if " coordinator " in cmd else "learner" if "--role learner" in cmd else "sampler"
         )
@@ -75,25 +75,33 @@ def run_from_args(args: argparse.Namespace) -> int:
     if child.returncode != 0 or len(samples) < 4:
         print(f"the local run failed or was too short (exit {child.returncode}); see {out}", file=sys.stderr)
         return 1
-    n = len(samples)
-    warm, mid, end = samples[max(1, n // 10)], samples[n // 2], samples[-2]  # the last one is shutdown
-    lines = [
-        f"soak: {args.steps} learner updates, {args.samplers} samplers, {samples[-1]['t']:.0f} s, "
-        f"{n} samples",
-        "",
-        "| role | after warm-up (MiB) | middle (MiB) | end (MiB) | growth warm-up → end |",
-        "|---|---|---|---|---|",
-    ]
-    figures = {}
-    for role in sorted(k for k in end if k != "t"):
-        a, b, c = (s.get(role, 0) / 2**20 for s in (warm, mid, end))
-        figures[role] = {"warm_mib": a, "mid_mib": b, "end_mib": c, "growth": (c - a) / a if a else None}
-        lines.append(f"| {role} | {a:.0f} | {b:.0f} | {c:.0f} | {100 * (c - a) / a:+.1f}% |")
+    lines, figures = table(samples)
+    print(f"soak: {args.steps} learner updates, {args.samplers} samplers, {samples[-1]['t']:.0f} s")
     print("\n".join(lines))
     print(final.strip().splitlines()[-1] if final.strip() else "")
     if args.json:
         Path(args.json).write_text(json.dumps({"samples": samples, "figures": figures}, indent=1))
     return 0
+
+
+def table(samples: list[dict]) -> tuple[list[str], dict]:
+    """Markdown rows and figures from the samples taken while every role was up (not start-up, shut-down)."""
+    roles = sorted({k for s in samples for k in s if k != "t"})
+    full = [s for s in samples if all(r in s for r in roles)]
+    n = len(full)
+    warm, mid, end = full[max(1, n // 10)], full[n // 2], full[-1]
+    lines = [
+        f"{n} samples with every role up, from {warm['t']:.0f} s (after warm-up) to {end['t']:.0f} s",
+        "",
+        "| role | after warm-up (MiB) | middle (MiB) | end (MiB) | growth warm-up → end |",
+        "|---|---|---|---|---|",
+    ]
+    figures = {}
+    for role in roles:
+        a, b, c = (s.get(role, 0) / 2**20 for s in (warm, mid, end))
+        figures[role] = {"warm_mib": a, "mid_mib": b, "end_mib": c, "growth": (c - a) / a if a else None}
+        lines.append(f"| {role} | {a:.0f} | {b:.0f} | {c:.0f} | {100 * (c - a) / a:+.1f}% |")
+    return lines, figures
 
 
 def main(argv: list[str] | None = None) -> int:
