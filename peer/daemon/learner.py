@@ -102,7 +102,8 @@ class Learner:
         self.last: dict[str, float] = {}
         self.published_version = -1
         self.publish_failures = 0
-        self._unannounced = False
+        self.publishes = 0
+        self._unannounced: tuple[bytes, dict] | None = None
         self.wait_s = 0.0
         self.train_s = 0.0
         self.replayed = self._replay()
@@ -149,19 +150,26 @@ class Learner:
             raw = encode("CheckpointManifest", body, self.identity)
         # else: built before a restart from these same saved weights; announce it again
         self.published_version = self.step
+        self._announce(raw, body)
+
+    def _announce(self, raw: bytes, body: dict) -> None:
         try:
             self.node.call(publish_checkpoint(self.node, self.store, raw, body), timeout=60)
         except Exception as e:  # the DHT can refuse or time out; the next version (or a retry) supersedes it
             self.publish_failures += 1
             log.warning(
-                "checkpoint version %d not announced in the DHT (%s); will announce again", self.step, e
+                "checkpoint version %d not announced in the DHT (%s); will announce again", body["version"], e
             )
-            self._unannounced = True
+            self._unannounced = (raw, body)
             return
-        self._unannounced = False
-        log.info(
+        self._unannounced = None
+        self.publishes += 1
+        log.log(
+            logging.INFO
+            if body["version"] % 10 == 0 or self.publishes == 1
+            else logging.DEBUG,  # bounded logs
             "published checkpoint version %d (%d bytes, %d chunks)",
-            self.step,
+            body["version"],
             body["total_size"],
             len(body["chunk_hashes"]),
         )
@@ -288,8 +296,8 @@ class Learner:
                             len(self.buffer),
                         )
                 else:
-                    if self._unannounced:
-                        self.publish()
+                    if self._unannounced is not None and self._unannounced[1]["version"] == self.step:
+                        self._announce(*self._unannounced)
                     waited += 0.5
                     if waited >= self.opt.wait_log_s:
                         log.info("waiting for trajectories (buffer %d batches)", len(self.buffer))

@@ -106,7 +106,8 @@ class Sampler:
         raw, body = found
         v = body["version"]
         self.status.state = f"fetching version {v}"
-        log.info("fetching checkpoint version %d (%d bytes)", v, body["total_size"])
+        level = logging.INFO if not self.loaded or v % 10 == 0 else logging.DEBUG  # logs stay bounded
+        log.log(level, "fetching checkpoint version %d (%d bytes)", v, body["total_size"])
         try:
             fetch = fetch_checkpoint(
                 self.node, self.store, raw, run_id=s.run_id, learner_keys=s.learner_keys, timeout=120
@@ -133,7 +134,8 @@ class Sampler:
                 )
                 + "\n"
             )
-        log.info(
+        log.log(
+            level,
             "now sampling with version %d (fetched %d bytes, reused %d from the parent)",
             v,
             report.fetched_bytes,
