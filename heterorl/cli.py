@@ -167,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("network", "network", "checkpoint propagation, delta bytes, trajectory latency on loopback"),
         ("fuzz", "fuzz", "fuzz the wire decoders with malformed inputs (default 100 000)"),
         ("soak", "soak", "a long local swarm run, sampling every role's memory (it must stay flat)"),
+        (
+            "staleness",
+            "staleness",
+            "objectives × policy delays × seeds on the tiny model: reward, IS variance",
+        ),
     ):
         bp = bsub.add_parser(name, help=text, description=text)
         _bench_module(module).add_arguments(bp)
