@@ -46,16 +46,16 @@ def _applied_once(swarm: Swarm) -> tuple[set[bytes], list[bytes]]:
 
 def test_heterorl_local_learns_and_every_sampler_follows_the_checkpoints(tmp_path, tiny_model_dir):
     out = tmp_path / "local"
-    steps = 60
+    steps = 90
     cmd = [sys.executable, "-m", "heterorl.cli", "local", "--samplers", "3", "--steps", str(steps)]
-    cmd += ["--out", str(out), "--model", str(tiny_model_dir), "--no-view", "--lr", "2e-3"]
+    cmd += ["--out", str(out), "--model", str(tiny_model_dir), "--no-view", "--lr", "5e-4"]
     cmd += ["--sampler-slowdown", "1", "1", "3"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     curve = summary["reward_curve"]
     assert len(curve) == steps
-    assert _mean(curve[-15:]) > _mean(curve[:15]) + 0.05, curve  # it learns
+    assert _mean(curve[-15:]) > _mean(curve[:15]) + 0.04, curve  # it learns (lr 5e-4: no early knock-back)
     assert summary["batches_rejected"] == 0 and summary["batches_accepted"] >= steps * 8 // 2
     assert sum(summary["staleness"].values()) == summary["batches_applied"]
     assert summary["staleness"]["0"] + summary["staleness"]["1"] < summary["batches_applied"]  # some stale
