@@ -72,35 +72,13 @@ if [ -e "$run_toml" ]; then
     echo "keeping $run_toml" >&2
 else
     umask 022
-    cat > "$run_toml.tmp" << TOML
-# Written by deploy/compose-init.sh (keep learner_keys when you edit it). The coordinator signs its RunSpec
-# from this file at its first start and keeps it in its state dir: later edits need a fresh state dir.
-run_id = "$run_id"
-learner_keys = ["$learner_pub"]
-
-[model]
-path = "tiny"        # the offline tiny model, built at start; or a local path / Hugging Face hub id
-
-[task]
-name = "arithmetic"
-params = { digits = 1 }
-
-[objective]
-name = "gepo"
-lr = 1e-3
-params = {}
-
-[sampling]
-temperature = 1.0
-top_p = 1.0
-max_new_tokens = 6
-
-[learner]
-prompts_per_update = 16
-group_size = 8
-publish_every = 1
-max_staleness = -1   # -1: use all data however stale
-TOML
+    # the one example the project keeps (heterorl coordinator --example-config), with this run's id and key
+    {
+        echo "# Written by deploy/compose-init.sh (keep learner_keys when you edit it). The coordinator signs its"
+        echo "# RunSpec from this file at its first start and keeps it in its state dir: later edits need a fresh one."
+        heterorl coordinator --example-config \
+            | sed -e "s|^run_id = .*|run_id = \"$run_id\"|" -e "s|<64 hex chars>|$learner_pub|"
+    } > "$run_toml.tmp"
     mv "$run_toml.tmp" "$run_toml"
     echo "wrote $run_toml" >&2
 fi
