@@ -137,3 +137,20 @@ def test_stale_daemon_sockets_are_swept_live_and_young_ones_kept(tmp_path):
         "hivemind-p2pd-live.sock",
     ]
     live.close()
+
+
+def test_a_runspec_signed_by_another_key_is_refused_when_one_is_pinned():
+    from heterorl.protocol import ProtocolError
+    from heterorl.protocol.spec import check_run_key
+
+    check_run_key(b"a" * 32, None)  # trust on first use
+    check_run_key(b"a" * 32, b"a" * 32)
+    with pytest.raises(ProtocolError, match="pins run key"):
+        check_run_key(b"b" * 32, b"a" * 32)
+
+
+def test_runspec_hyperparameters_that_are_not_understood_are_refused():
+    body = parse_run_config({"learner_keys": [KEY]}).runspec_body(b"\x01" * 32, 40)
+    for bad in ("not json", '{"learner": {"nope": 1}}', '{"learner": 3}'):
+        with pytest.raises(ValueError, match="hyperparameters not understood"):
+            RunSettings.from_spec({**body, "hyperparameters": bad})
