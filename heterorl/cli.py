@@ -153,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("peer", "heterorl.peer.daemon.main", "join a run as a volunteer sampler (default) or the learner"),
         ("local", "heterorl.local", "the whole swarm on this machine: coordinator, learner, N samplers"),
         ("status", "heterorl.coordinator.status", "what a swarm looks like, from any machine"),
+        (
+            "simulate",
+            "heterorl.sim.cli",
+            "discrete-event model of a run with thousands of volunteer samplers",
+        ),
     ):
         doc = (_module(module).__doc__ or text).strip()
         rp = sub.add_parser(
@@ -171,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
             "staleness",
             "staleness",
             "objectives × policy delays × seeds on the tiny model: reward, IS variance",
+        ),
+        (
+            "throughput",
+            "throughput",
+            "speed side by side: vs TRL GRPOTrainer, plain generate, plain CE step; swarm vs one process",
         ),
     ):
         bp = bsub.add_parser(name, help=text, description=text)

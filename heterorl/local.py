@@ -46,6 +46,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompts-per-batch", type=int, default=2, help="prompt groups per sampler batch")
     ap.add_argument("--publish-every", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--max-new-tokens", type=int, default=6, help="completion length cap")
     ap.add_argument("--model", default=None, help="model path or hub id (default: the tiny model)")
     ap.add_argument("--dashboard-port", type=int, default=0, help="0 picks a free port")
     ap.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
@@ -66,6 +67,9 @@ params = {{ digits = 1 }}
 [objective]
 name = "{args.objective}"
 lr = {args.lr}
+
+[sampling]
+max_new_tokens = {args.max_new_tokens}
 
 [learner]
 prompts_per_update = {args.prompts_per_update}

@@ -361,6 +361,11 @@ async def _announce(node: Node, run_id: str, version: int, *, complete: bool) ->
 async def publish_checkpoint(node: Node, store: ChunkStore, manifest_raw: bytes, body: dict) -> None:
     """Learner side: chunks into the store first, then the provider record, then the manifest (last)."""
     await asyncio.to_thread(store.add_manifest, manifest_raw, body)
+    await announce_checkpoint(node, manifest_raw, body)
+
+
+async def announce_checkpoint(node: Node, manifest_raw: bytes, body: dict) -> None:
+    """The DHT half of :func:`publish_checkpoint`, for a manifest already in the store."""
     await _announce(node, body["run_id"], body["version"], complete=True)
     if not await node.publish_message(manifest_raw):
         raise RuntimeError(f"the DHT did not store the manifest of version {body['version']}")

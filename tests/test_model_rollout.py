@@ -71,3 +71,22 @@ def test_sampling_params_are_validated():
         SamplingParams(temperature=0)
     with pytest.raises(ValueError):
         SamplingParams(top_p=1.5)
+
+
+def test_left_pad_matches_a_row_by_row_reference():
+    import random as _random
+
+    from heterorl.peer.model.logprobs import left_pad
+
+    rng = _random.Random(0)
+    for _ in range(50):
+        prompts = [
+            [rng.randrange(1, 50) for _ in range(rng.randrange(0, 7))] for _ in range(rng.randrange(1, 6))
+        ]
+        extra = rng.randrange(0, 3)
+        ids, attn, width = left_pad(prompts, 0, extra=extra)
+        assert width == max(map(len, prompts))
+        for i, p in enumerate(prompts):
+            row = [0] * (width - len(p)) + p + [0] * extra
+            assert ids[i].tolist() == row
+            assert attn[i].tolist() == [0] * (width - len(p)) + [1] * len(p) + [0] * extra

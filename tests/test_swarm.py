@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from heterorl.bench.throughput import swarm_window
 from heterorl.local import stop_all
 from heterorl.protocol import load_or_create_identity
 from heterorl.protocol.ledger import AcceptedLog
@@ -65,6 +66,13 @@ def test_heterorl_local_learns_and_every_sampler_follows_the_checkpoints(tmp_pat
         assert versions[0] == 0 and versions == sorted(versions), (name, versions)
         assert versions[-1] >= steps // 2, (name, versions)  # checkpoints reached every sampler, late too
     assert "learner updates" in done.stdout
+    # the learner's per-step time accounting, which `heterorl bench throughput` reads
+    rows = [json.loads(line) for line in (out / "learner" / "metrics.jsonl").read_text().splitlines()]
+    waits, trains = [r["wait_s"] for r in rows], [r["train_s"] for r in rows]
+    assert waits == sorted(waits) and trains == sorted(trains) and trains[-1] > 0
+    window = swarm_window(rows, warmup=5)
+    assert window["trajectories_per_s"] > 0 and 0 <= window["wait_frac"] <= 1
+    assert 0 < window["train_frac"] <= 1 and window["wait_frac"] + window["train_frac"] <= 1.01
 
 
 def test_churn_samplers_learner_and_coordinator_come_and_go(swarm):

@@ -9,7 +9,9 @@ and nothing counts twice in the saved lineage. Checkpoint versions equal update 
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -22,7 +24,7 @@ import torch
 from heterorl.coordinator.runconfig import RunSettings
 from heterorl.protocol import Identity, decode, encode
 from heterorl.protocol.checkpoint import manifest_body
-from heterorl.protocol.chunks import ChunkServer, publish_checkpoint
+from heterorl.protocol.chunks import ChunkServer, announce_checkpoint
 from heterorl.protocol.ledger import AcceptedLog
 from heterorl.protocol.store import ChunkStore
 from heterorl.protocol.trajectories import TrajectoryReceiver
@@ -30,7 +32,13 @@ from heterorl.protocol.trajectories import TrajectoryReceiver
 from ..learner.buffer import Buffered, TrajectoryBuffer
 from ..learner.intake import RewardCheck
 from ..learner.state import load_state, save_state
-from ..learner.update import STALENESS_BUCKETS, rows_from_bodies, staleness_bucket, update
+from ..learner.update import (
+    STALENESS_BUCKETS,
+    rows_from_bodies,
+    staleness_bucket,
+    staleness_refusal,
+    update,
+)
 from ..model import load_model
 from ..tasks import get_task
 from .hardware import Hardware
@@ -41,6 +49,7 @@ from .weights import resolve_model, weights_bytes, weights_hash
 log = logging.getLogger(__name__)
 
 MAX_SHOWN_STRIKES = 8
+ANNOUNCE_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +113,12 @@ class Learner:
         self.publish_failures = 0
         self.publishes = 0
         self._unannounced: tuple[bytes, dict] | None = None
+        self._announce_lock = threading.Lock()
+        self._announcing: concurrent.futures.Future | None = None
+        self._next_announce: tuple[bytes, dict] | None = None
         self.wait_s = 0.0
         self.train_s = 0.0
+        self.publish_s = collections.Counter()  # save / build / announce: seconds, cumulative
         self.replayed = self._replay()
 
     # ---- intake ----
@@ -114,12 +127,10 @@ class Learner:
         s = self.settings
         if len(body["rows"]) > s.max_batch_rows:
             return f"{len(body['rows'])} rows exceed the run's {s.max_batch_rows}"
-        if body["policy_version"] > self.published_version:
-            return f"sampled with version {body['policy_version']}, newer than any published"
-        lag = self.step - body["policy_version"]
-        if s.learner.max_staleness >= 0 and lag > s.learner.max_staleness:
-            return f"{lag} versions stale, the run drops beyond {s.learner.max_staleness}"
-        return self.reward_check(body, author)
+        why = staleness_refusal(
+            self.step, body["policy_version"], self.published_version, s.learner.max_staleness
+        )
+        return why or self.reward_check(body, author)
 
     def _on_accept(self, body: dict, author: bytes, _raw: bytes) -> None:
         self.buffer.put(Buffered(body["batch_id"], author, body, time.time()))
@@ -137,8 +148,10 @@ class Learner:
 
     def publish(self) -> None:
         s = self.settings
+        t0 = time.perf_counter()
         save_state(self.state_dir / "state", self.model, self.optimizer, self.step, {"run_id": s.run_id})
         self.ledger.prune_applied(self.step)  # a restart resumes from here: older payloads are never replayed
+        t1 = time.perf_counter()
         raw, body = self.store.manifest(self.step), self.store.body(self.step)
         if raw is None or body is None:
             older = [v for v in self.store.versions() if v < self.step]
@@ -150,29 +163,71 @@ class Learner:
             raw = encode("CheckpointManifest", body, self.identity)
         # else: built before a restart from these same saved weights; announce it again
         self.published_version = self.step
+        t2 = time.perf_counter()
         self._announce(raw, body)
+        self.publish_s.update({"save": t1 - t0, "build": t2 - t1, "announce": time.perf_counter() - t2})
 
     def _announce(self, raw: bytes, body: dict) -> None:
-        try:
-            self.node.call(publish_checkpoint(self.node, self.store, raw, body), timeout=60)
-        except Exception as e:  # the DHT can refuse or time out; the next version (or a retry) supersedes it
-            self.publish_failures += 1
-            log.warning(
-                "checkpoint version %d not announced in the DHT (%s); will announce again", body["version"], e
-            )
-            self._unannounced = (raw, body)
-            return
-        self._unannounced = None
-        self.publishes += 1
-        log.log(
-            logging.INFO
-            if body["version"] % 10 == 0 or self.publishes == 1
-            else logging.DEBUG,  # bounded logs
-            "published checkpoint version %d (%d bytes, %d chunks)",
-            body["version"],
-            body["total_size"],
-            len(body["chunk_hashes"]),
-        )
+        """Announce a stored manifest in the DHT without holding training up (one announce in flight).
+
+        A publish while one is in flight waits its turn; a newer one supersedes it (samplers only want the
+        newest). A failed announce is retried when the learner next idles, unless a newer version came.
+        """
+        self.store.add_manifest(raw, body)
+        with self._announce_lock:
+            if self._announcing is not None:
+                self._next_announce = (raw, body)
+                return
+            self._start_announce(raw, body)
+
+    def _start_announce(self, raw: bytes, body: dict) -> None:
+        fut = self.node.spawn(asyncio.wait_for(announce_checkpoint(self.node, raw, body), ANNOUNCE_TIMEOUT_S))
+        self._announcing = fut
+        fut.add_done_callback(lambda f: self._announce_done(f, raw, body))
+
+    def _announce_done(self, fut: concurrent.futures.Future, raw: bytes, body: dict) -> None:
+        with self._announce_lock:
+            self._announcing = None
+            nxt, self._next_announce = self._next_announce, None
+            try:
+                fut.result()
+            except (Exception, concurrent.futures.CancelledError) as e:
+                # the DHT can refuse or time out; the next version (or a retry) supersedes it
+                self.publish_failures += 1
+                log.warning(
+                    "checkpoint version %d not announced in the DHT (%s); will announce again",
+                    body["version"],
+                    e or type(e).__name__,
+                )
+                if nxt is None:
+                    self._unannounced = (raw, body)
+            else:
+                self._unannounced = None
+                self.publishes += 1
+                log.log(
+                    logging.INFO
+                    if body["version"] % 10 == 0 or self.publishes == 1
+                    else logging.DEBUG,  # bounded logs
+                    "published checkpoint version %d (%d bytes, %d chunks)",
+                    body["version"],
+                    body["total_size"],
+                    len(body["chunk_hashes"]),
+                )
+            if nxt is not None:
+                try:
+                    self._start_announce(*nxt)
+                except RuntimeError as e:  # the node is closing
+                    log.debug("announce of version %d dropped: %s", nxt[1]["version"], e)
+
+    def wait_announced(self, timeout: float) -> bool:
+        """Block until no announce is in flight or queued (before leaving); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._announce_lock:
+                if self._announcing is None and self._next_announce is None:
+                    return True
+            time.sleep(0.05)
+        return False
 
     # ---- training ----
 
@@ -213,6 +268,9 @@ class Learner:
             "batches": [b.batch_id.hex() for b in batches],
             "authors": sorted({b.author.hex()[:16] for b in batches}),
             "staleness_hist": dict(hist),
+            "wait_s": self.wait_s,  # cumulative, so any window's wait fraction can be read off
+            "train_s": self.train_s,
+            **{f"publish_{k}_s": v for k, v in self.publish_s.items()},
             **stats,
         }
         with (self.state_dir / "metrics.jsonl").open("a") as f:
@@ -296,8 +354,14 @@ class Learner:
                             len(self.buffer),
                         )
                 else:
-                    if self._unannounced is not None and self._unannounced[1]["version"] == self.step:
-                        self._announce(*self._unannounced)
+                    pending = self._unannounced
+                    if (
+                        pending is not None
+                        and pending[1]["version"] == self.step
+                        and self._announcing is None
+                    ):
+                        self._unannounced = None
+                        self._announce(*pending)
                     waited += 0.5
                     if waited >= self.opt.wait_log_s:
                         log.info("waiting for trajectories (buffer %d batches)", len(self.buffer))
@@ -308,6 +372,8 @@ class Learner:
                     self.publish()
                 except Exception as e:
                     log.warning("final checkpoint not published (my state is saved): %s", e)
+            if not self.wait_announced(ANNOUNCE_TIMEOUT_S):
+                log.warning("leaving before the last checkpoint announce finished")
             self.status.state = "leaving"
             self._write_final_stats()
             try:

@@ -65,6 +65,22 @@ def staleness_bucket(delta: int) -> str:
 STALENESS_BUCKETS = ("0", "1", "2-3", "4-7", "8-15", "16+")
 
 
+def staleness_refusal(
+    step: int, policy_version: int, published_version: int, max_staleness: int
+) -> str | None:
+    """Why the learner at ``step`` refuses a batch sampled with ``policy_version``, or None to admit it.
+
+    A version newer than any published is a forgery or a bug; beyond ``max_staleness`` versions behind
+    (``-1``: no limit) the run drops the batch.
+    """
+    if policy_version > published_version:
+        return f"sampled with version {policy_version}, newer than any published"
+    lag = step - policy_version
+    if max_staleness >= 0 and lag > max_staleness:
+        return f"{lag} versions stale, the run drops beyond {max_staleness}"
+    return None
+
+
 def update(
     policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

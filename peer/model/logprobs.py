@@ -12,12 +12,16 @@ from torch import Tensor
 
 def left_pad(prompts: list[list[int]], pad_id: int, extra: int = 0) -> tuple[Tensor, Tensor, int]:
     """Left-pad token lists into ids [N, W+extra] and attention mask; returns them and the width W."""
-    width = max(map(len, prompts))
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    width = int(lengths.max()) if len(prompts) else 0
     ids = torch.full((len(prompts), width + extra), pad_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) : width] = torch.tensor(p, dtype=torch.long)
-        attn[i, width - len(p) : width] = 1
+    # one scatter instead of a tensor per row: row r's tokens go to columns width-len(r) .. width-1
+    rows = torch.repeat_interleave(torch.arange(len(prompts)), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    cols = width - lengths[rows] + torch.arange(len(rows)) - starts[rows]
+    ids[rows, cols] = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+    attn[rows, cols] = 1
     return ids, attn, width
 
 

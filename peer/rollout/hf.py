@@ -21,7 +21,9 @@ class HFBackend:
     def generate(self, model, prompts: list[str], params: SamplingParams) -> Rollouts:
         tok = self.tokenizer
         bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-        prompt_ids = [bos + tok.encode(p, add_special_tokens=False) for p in prompts]
+        # a group repeats its prompt: encode each distinct prompt once
+        encoded = {p: bos + tok.encode(p, add_special_tokens=False) for p in dict.fromkeys(prompts)}
+        prompt_ids = [list(encoded[p]) for p in prompts]
         ids, attn, width = left_pad(prompt_ids, tok.pad_token_id)
         out = model.generate(
             input_ids=ids,

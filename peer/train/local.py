@@ -121,6 +121,7 @@ def run_local(cfg: LocalConfig, out: str | Path, progress: bool = True) -> dict:
                 "behaviour_version": version,
                 "staleness": lag.version - 1 - version,
                 "grad_norm": grad_norm,
+                "completion_len/mean": float(roll.lengths.float().mean()),
                 "time_s": time.perf_counter() - t0,
                 **stats,
             }

@@ -1,0 +1,420 @@
+"""The discrete-event simulation of one run: a learner and many heterogeneous, churning samplers.
+
+Each sampler behaves as ``peer/daemon/sampler.py`` does: between batches it switches to the newest published
+checkpoint (fetching only the chunks that changed since the one it holds), generates a batch, puts it in its
+durable outbox (generation pauses at ``max_pending`` queued batches) and sends the oldest queued batch; a
+"busy" reply is retried after the real full-jitter backoff (``protocol.outbox.backoff_ceiling``). A sampler
+that leaves loses the batch it was generating, keeps its outbox and resends it when it comes back.
+
+The learner behaves as ``peer/daemon/learner.py`` does: it admits a batch by the real staleness rule
+(``staleness_refusal``), holds it in the real bounded ``TrajectoryBuffer`` ("busy" when full), takes
+``prompts_per_update`` prompt groups per update, buckets staleness with the real ``staleness_bucket``, and
+publishes a checkpoint every ``publish_every`` updates (training pauses while it publishes).
+
+Links are modelled per peer: a fetch takes ``rtt + bytes / downlink`` and its chunks are served by up to
+``providers`` random peers already holding the version (the learner among them), which is where upload
+bytes are charged; provider uplinks are not a bottleneck in this model (a stated simplification).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+import math
+import random
+import statistics
+
+from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer
+from heterorl.peer.learner.update import STALENESS_BUCKETS, staleness_bucket, staleness_refusal
+from heterorl.protocol.outbox import backoff_ceiling
+
+from .fleet import HardwareClass, PeerSpec, draw_peers
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    samplers: int = 1000
+    hours: float = 2.0
+    warmup_h: float = 0.25  # statistics leave this first stretch out
+    ramp_s: float = 600.0  # samplers join uniformly over this window
+    join_s: float = 20.0  # start-up of a (re)joining sampler: model load, DHT join
+    # the run
+    prompts_per_update: int = 16
+    group_size: int = 8
+    prompts_per_batch: int = 2
+    prompt_tokens: int = 100
+    completion_tokens: int = 300  # mean; each batch's mean is drawn around it
+    buffer_batches: int = 16
+    max_staleness: int = -1
+    publish_every: int = 1
+    # the learner
+    learner_tokens_per_s: float = 20_000.0  # training tokens (prompt + completion) per second, fwd+bwd
+    publish_s: float = 3.0  # serialise, chunk, sign, announce
+    announce_s: float = 2.0  # until a published manifest is found in the DHT
+    # the checkpoint
+    model_bytes: int = 3_087_000_000  # 1.54B parameters in bfloat16
+    changed_frac: float = 1.0  # fraction of chunks one update changes (1: full fine-tuning)
+    providers: int = 8
+    # samplers
+    max_pending: int = 4
+    spread: float = 0.3
+    churn: bool = True
+    background_fetch: bool = False  # what-if: keep generating with the held version while fetching
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for f in ("samplers", "prompts_per_update", "group_size", "prompts_per_batch", "buffer_batches"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f} must be >= 1")
+        if not 0 <= self.warmup_h < self.hours:
+            raise ValueError("warmup_h must lie in [0, hours)")
+        if not 0 < self.changed_frac <= 1:
+            raise ValueError("changed_frac must lie in (0, 1]")
+        if self.learner_tokens_per_s <= 0 or self.publish_s < 0 or self.announce_s < 0:
+            raise ValueError("learner_tokens_per_s must be > 0; publish_s and announce_s >= 0")
+
+    @property
+    def update_s(self) -> float:
+        """Seconds of one learner update: its tokens over the learner's training rate."""
+        rows = self.prompts_per_update * self.group_size
+        return rows * (self.prompt_tokens + self.completion_tokens) / self.learner_tokens_per_s
+
+
+@dataclasses.dataclass
+class Batch:
+    version: int
+    groups: int
+    nbytes: int
+    attempts: int = 0
+
+
+class SimSampler:
+    def __init__(self, idx: int, spec: PeerSpec) -> None:
+        self.idx, self.spec = idx, spec
+        self.online = False
+        self.epoch = 0  # bumped when it leaves: events of an older epoch are void
+        self.version: int | None = None
+        self.outbox: collections.deque[Batch] = collections.deque()
+        self.sending = False
+        self.fetching = False
+        self.waiting = False  # generation paused on a full outbox
+        self.time = collections.Counter()  # state -> seconds (inside the measured window)
+        self.state, self.state_since = "offline", 0.0
+        self.down_bytes = 0
+        self.up_bytes = 0
+
+
+class Simulation:
+    """``Simulation(cfg, fleet, batch_bytes, chunk_sizes).run(progress)`` -> result dict."""
+
+    def __init__(
+        self, cfg: SimConfig, fleet: tuple[HardwareClass, ...], batch_bytes: int, chunk_sizes: list[int]
+    ) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.batch_bytes = batch_bytes
+        self.chunk_sizes = chunk_sizes
+        self.chunk_mean = sum(chunk_sizes) / len(chunk_sizes)
+        self.samplers = [
+            SimSampler(i, s) for i, s in enumerate(draw_peers(fleet, cfg.samplers, self.rng, cfg.spread))
+        ]
+        self.events: list = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        self.t_start = cfg.warmup_h * 3600
+        self.t_end = cfg.hours * 3600
+        # learner
+        self.buffer = TrajectoryBuffer(cfg.buffer_batches)
+        self.step = 0
+        self.in_update: list[Buffered] = []  # batches taken by the update in progress
+        self.published = 0  # newest version samplers can find
+        self.learner_state, self.learner_since = "waiting", 0.0
+        self.learner_time = collections.Counter()
+        self.learner_up = 0
+        self.holders: dict[int, list[int]] = {0: []}  # version -> sampler indices that hold it
+        self.stale = collections.Counter()
+        self.stale_values: list[int] = []
+        self.counts = collections.Counter()
+
+    # ---- event queue ----
+
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self.events, (t, next(self._seq), fn, args))
+
+    def _in_window(self) -> bool:
+        return self.now >= self.t_start
+
+    def _set_state(self, s: SimSampler, state: str) -> None:
+        lo = max(s.state_since, self.t_start)
+        if self.now > lo:
+            s.time[s.state] += self.now - lo
+        s.state, s.state_since = state, self.now
+
+    def _set_learner(self, state: str) -> None:
+        lo = max(self.learner_since, self.t_start)
+        if self.now > lo:
+            self.learner_time[self.learner_state] += self.now - lo
+        self.learner_state, self.learner_since = state, self.now
+
+    # ---- samplers ----
+
+    def join(self, s: SimSampler) -> None:
+        s.online = True
+        self._set_state(s, "joining")
+        self.at(self.now + self.cfg.join_s, self.ready, s, s.epoch)
+        if self.cfg.churn and math.isfinite(s.spec.cls.session_h):
+            self.at(
+                self.now + self.rng.expovariate(1 / (s.spec.cls.session_h * 3600)), self.leave, s, s.epoch
+            )
+        if s.outbox:
+            self._send(s)
+
+    def leave(self, s: SimSampler, epoch: int) -> None:
+        if epoch != s.epoch:
+            return
+        if s.state == "generating":
+            self.counts["generations_lost_to_churn"] += self._in_window()
+        s.online, s.sending, s.waiting, s.fetching = False, False, False, False
+        s.epoch += 1
+        self._set_state(s, "offline")
+        self.at(self.now + self.rng.expovariate(1 / (s.spec.cls.offline_h * 3600)), self.join, s)
+
+    def _fetch_bytes(self, held: int | None, target: int) -> int:
+        """Bytes to fetch from version ``held`` to ``target``: the chunks that changed in between."""
+        n = len(self.chunk_sizes)
+        if held is None:
+            return sum(self.chunk_sizes)
+        # a chunk is unchanged over k versions with probability (1 - changed_frac) ** k
+        p = 1 - (1 - self.cfg.changed_frac) ** (target - held)
+        if p >= 1:
+            return sum(self.chunk_sizes)
+        # binomial(n, p), by its normal approximation
+        changed = round(min(n, max(0.0, self.rng.gauss(n * p, math.sqrt(n * p * (1 - p))))))
+        return int(changed * self.chunk_mean)
+
+    def _charge_providers(self, version: int, nbytes: int) -> None:
+        holders = self.holders.get(version, [])
+        picks: list[int | None] = [None]  # the learner always serves
+        for _ in range(min(self.cfg.providers - 1, len(holders))):
+            i = holders[self.rng.randrange(len(holders))]
+            if self.samplers[i].online:
+                picks.append(i)
+        share = nbytes / len(picks)
+        if not self._in_window():
+            return
+        for i in picks:
+            if i is None:
+                self.learner_up += share
+            else:
+                self.samplers[i].up_bytes += share
+
+    def ready(self, s: SimSampler, epoch: int) -> None:
+        """Between batches: switch checkpoint if a newer one is published, else generate (or pause)."""
+        if epoch != s.epoch:
+            return
+        if (s.version is None or self.published > s.version) and not s.fetching:
+            target = self.published
+            nbytes = self._fetch_bytes(s.version, target)
+            s.fetching = True
+            if self._in_window():
+                s.down_bytes += nbytes
+            self._charge_providers(target, nbytes)
+            self.at(self.now + s.spec.rtt_s + nbytes / s.spec.down_Bps, self.fetched, s, epoch, target)
+        if s.fetching and (s.version is None or not self.cfg.background_fetch):
+            self._set_state(s, "fetching")
+            return
+        if len(s.outbox) >= self.cfg.max_pending:
+            s.waiting = True
+            self._set_state(s, "outbox full")
+            return
+        self._set_state(s, "generating")
+        rows = self.cfg.prompts_per_batch * self.cfg.group_size
+        tokens = rows * self.cfg.completion_tokens * self.rng.lognormvariate(0.0, 0.15)
+        self.at(self.now + tokens / s.spec.tokens_per_s, self.generated, s, epoch, s.version)
+
+    def fetched(self, s: SimSampler, epoch: int, version: int) -> None:
+        if epoch != s.epoch:
+            return
+        s.fetching = False
+        s.version = version
+        self.holders.setdefault(version, []).append(s.idx)
+        self.counts["checkpoint_switches"] += self._in_window()
+        if s.state == "fetching":  # blocked on it (always, unless background_fetch)
+            self.ready(s, epoch)
+
+    def generated(self, s: SimSampler, epoch: int, version: int) -> None:
+        if epoch != s.epoch:
+            return
+        s.outbox.append(Batch(version, self.cfg.prompts_per_batch, self.batch_bytes))
+        self.counts["batches_generated"] += self._in_window()
+        self._send(s)
+        self.ready(s, epoch)
+
+    def _send(self, s: SimSampler) -> None:
+        if s.sending or not s.outbox or not s.online:
+            return
+        s.sending = True
+        b = s.outbox[0]
+        if self._in_window():
+            s.up_bytes += b.nbytes
+        self.at(self.now + s.spec.rtt_s / 2 + b.nbytes / s.spec.up_Bps, self.arrive, s, s.epoch, b)
+
+    def arrive(self, s: SimSampler, epoch: int, b: Batch) -> None:
+        if epoch != s.epoch:  # it left mid-send: the batch stays in its durable outbox
+            return
+        reply = self.offer(b)
+        self.at(self.now + s.spec.rtt_s / 2, self.replied, s, epoch, b, reply)
+
+    def replied(self, s: SimSampler, epoch: int, b: Batch, reply: str) -> None:
+        if epoch != s.epoch:
+            return
+        s.sending = False
+        if reply == "busy":
+            b.attempts += 1
+            self.at(self.now + self.rng.uniform(0, backoff_ceiling(b.attempts)), self._retry, s, epoch)
+            return
+        s.outbox.popleft()
+        if s.waiting:
+            s.waiting = False
+            self.ready(s, epoch)
+        self._send(s)
+
+    def _retry(self, s: SimSampler, epoch: int) -> None:
+        if epoch == s.epoch:
+            self._send(s)
+
+    # ---- learner ----
+
+    def offer(self, b: Batch) -> str:
+        win = self._in_window()
+        if staleness_refusal(self.step, b.version, self.published, self.cfg.max_staleness):
+            self.counts["batches_refused_stale"] += win
+            return "refused"
+        if not self.buffer.has_room():
+            self.counts["busy_replies"] += win
+            return "busy"
+        self.counts["batches_accepted"] += win
+        body = {"policy_version": b.version, "rows": [{"group": g} for g in range(b.groups)]}
+        self.buffer.put(Buffered(b"", b"", body, self.now))
+        if self.learner_state == "waiting":
+            self._train()
+        return "accepted"
+
+    def _train(self) -> None:
+        batches = self.buffer.take_groups(self.cfg.prompts_per_update, timeout=0)
+        if batches is None:
+            self._set_learner("waiting")
+            return
+        self._set_learner("training")
+        self.in_update = batches
+        self.at(self.now + self.cfg.update_s * self.rng.lognormvariate(0.0, 0.05), self._trained, batches)
+
+    def _trained(self, batches: list[Buffered]) -> None:
+        self.in_update = []
+        for b in batches:
+            lag = self.step - b.body["policy_version"]
+            if self._in_window():
+                self.stale[staleness_bucket(lag)] += 1
+                self.stale_values.append(lag)
+        self.step += 1
+        self.counts["updates"] += self._in_window()
+        if self.step % self.cfg.publish_every == 0:
+            self._set_learner("publishing")
+            self.at(self.now + self.cfg.publish_s, self._published, self.step)
+        else:
+            self._train()
+
+    def _published(self, version: int) -> None:
+        self.holders.setdefault(version, [])
+        self.at(self.now + self.cfg.announce_s, self._announced, version)
+        self._train()
+
+    def _announced(self, version: int) -> None:
+        self.published = max(self.published, version)
+
+    # ---- run ----
+
+    def run(self, progress: bool = False) -> dict:
+        from tqdm import tqdm
+
+        for s in self.samplers:
+            self.at(self.rng.uniform(0, self.cfg.ramp_s), self.join, s)
+        bar = tqdm(
+            total=int(self.t_end), unit="sim-s", disable=not progress, desc=f"{self.cfg.samplers} samplers"
+        )
+        events = 0
+        while self.events and self.events[0][0] <= self.t_end:
+            t, _, fn, args = heapq.heappop(self.events)
+            if int(t) > bar.n:
+                bar.update(int(t) - bar.n)
+            self.now = t
+            fn(*args)
+            events += 1
+        bar.close()
+        self.now = self.t_end
+        for s in self.samplers:
+            self._set_state(s, s.state)
+        self._set_learner(self.learner_state)
+        return self._result(events)
+
+    def _result(self, events: int) -> dict:
+        window_h = (self.t_end - self.t_start) / 3600
+        total = sum(self.stale.values()) or 1
+        values = sorted(self.stale_values) or [0]
+
+        def q(p: float) -> int:
+            return values[min(len(values) - 1, int(p * len(values)))]
+
+        learner_total = sum(self.learner_time.values()) or 1
+        per_h = [(s.down_bytes / window_h, s.up_bytes / window_h) for s in self.samplers]
+        downs, ups = sorted(d for d, _ in per_h), sorted(u for _, u in per_h)
+        state_s = collections.Counter()
+        for s in self.samplers:
+            state_s.update(s.time)
+        state_total = sum(state_s.values()) or 1
+        by_class = collections.defaultdict(list)
+        for s in self.samplers:
+            by_class[s.spec.cls.name].append(s)
+        return {
+            "config": dataclasses.asdict(self.cfg),
+            "events": events,
+            "window_h": window_h,
+            "updates_per_h": self.counts["updates"] / window_h,
+            "trajectories_per_s": self.counts["updates"]
+            * self.cfg.prompts_per_update
+            * self.cfg.group_size
+            / (window_h * 3600),
+            "learner": {
+                k: self.learner_time[k] / learner_total for k in ("training", "publishing", "waiting")
+            },
+            "learner_upload_GB_per_h": self.learner_up / window_h / 1e9,
+            "staleness": {
+                "buckets": {b: self.stale[b] / total for b in STALENESS_BUCKETS},
+                "mean": statistics.fmean(values),
+                "p50": q(0.5),
+                "p90": q(0.9),
+                "p99": q(0.99),
+                "max": values[-1],
+            },
+            "sampler_time": {k: v / state_total for k, v in sorted(state_s.items())},
+            "sampler_GB_per_h": {
+                "down_median": statistics.median(downs) / 1e9,
+                "down_p90": downs[int(0.9 * (len(downs) - 1))] / 1e9,
+                "up_median": statistics.median(ups) / 1e9,
+                "up_p90": ups[int(0.9 * (len(ups) - 1))] / 1e9,
+            },
+            "by_class": {
+                name: {
+                    "samplers": len(group),
+                    "generating": sum(s.time["generating"] for s in group)
+                    / max(1e-9, sum(sum(s.time.values()) for s in group)),
+                    "fetching": sum(s.time["fetching"] for s in group)
+                    / max(1e-9, sum(sum(s.time.values()) for s in group)),
+                    "down_GB_per_h": statistics.fmean(s.down_bytes for s in group) / window_h / 1e9,
+                }
+                for name, group in sorted(by_class.items())
+            },
+            "counts": dict(self.counts),
+        }

@@ -1,0 +1,158 @@
+"""`heterorl simulate`: the discrete-event model keeps its books and reacts to the run's settings."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+
+from heterorl.protocol.checkpoint import CHUNK_BYTES
+from heterorl.sim.engine import SimConfig, Simulation
+from heterorl.sim.fleet import DEFAULT_FLEET, HardwareClass, draw_peers, load_fleet
+from heterorl.sim.wire import chunk_lengths, manifest_bytes, synthetic_manifest, trajectory_batch_bytes
+
+FAST = HardwareClass("fast", 1.0, 4000, 1000, 1000, 20, math.inf, 1.0)
+SLOW_LINK = HardwareClass("slowlink", 1.0, 4000, 20, 20, 40, math.inf, 1.0)
+CHURNY = HardwareClass("churny", 1.0, 2000, 500, 100, 30, 0.05, 0.02)
+
+
+def _sim(fleet=(FAST,), **kw) -> Simulation:
+    cfg = SimConfig(
+        **{"samplers": 10, "hours": 0.3, "warmup_h": 0.0, "ramp_s": 30, "model_bytes": 50_000_000, **kw}
+    )
+    chunks = chunk_lengths(synthetic_manifest(cfg.model_bytes))
+    batch = trajectory_batch_bytes(cfg.prompts_per_batch, cfg.group_size, 20, 40)
+    return Simulation(cfg, fleet, batch, chunks)
+
+
+def _books_balance(sim: Simulation, r: dict) -> None:
+    """Each generated batch is accepted, refused or still queued; each accepted one is trained or waits."""
+    c = r["counts"]
+    queued = sum(len(s.outbox) for s in sim.samplers)
+    assert c["batches_generated"] == c.get("batches_accepted", 0) + c.get("batches_refused_stale", 0) + queued
+    per_update = sim.cfg.prompts_per_update // sim.cfg.prompts_per_batch
+    assert c.get("batches_accepted", 0) == c["updates"] * per_update + len(sim.buffer) + len(sim.in_update)
+    assert sum(sim.stale.values()) == c["updates"] * per_update
+
+
+def test_wire_sizes_come_from_real_messages():
+    small = trajectory_batch_bytes(1, 8, 50, 100)
+    double = trajectory_batch_bytes(2, 8, 50, 100)
+    longer = trajectory_batch_bytes(1, 8, 50, 200)
+    assert 1.9 < double / small < 2.05 and longer > 1.6 * small
+    m = synthetic_manifest(10 * CHUNK_BYTES + 123)
+    sizes = chunk_lengths(m)
+    assert len(sizes) == 11 and sum(sizes) == m["total_size"] and sizes[-1] == 123
+    assert manifest_bytes(m) > 11 * 32
+
+
+def test_fleet_is_drawn_by_share_and_bad_files_are_refused(tmp_path):
+    peers = draw_peers(DEFAULT_FLEET, 4000, random.Random(0))
+    share = sum(p.cls.name == "rtx4090" for p in peers) / len(peers)
+    assert abs(share - 0.35) < 0.03
+    f = tmp_path / "fleet.json"
+    f.write_text(
+        json.dumps(
+            [
+                {
+                    "name": "x",
+                    "share": 1,
+                    "tokens_per_s": 10,
+                    "down_mbit": 1,
+                    "up_mbit": 1,
+                    "rtt_ms": 5,
+                    "session_h": "inf",
+                    "offline_h": 1,
+                }
+            ]
+        )
+    )
+    assert load_fleet(f)[0].session_h == math.inf
+    f.write_text(
+        json.dumps(
+            [
+                {
+                    "name": "x",
+                    "share": 1,
+                    "tokens_per_s": 0,
+                    "down_mbit": 1,
+                    "up_mbit": 1,
+                    "rtt_ms": 5,
+                    "session_h": 1,
+                    "offline_h": 1,
+                }
+            ]
+        )
+    )
+    with pytest.raises(ValueError, match="tokens_per_s"):
+        load_fleet(f)
+    f.write_text(json.dumps([{"name": "x", "speed": 3}]))
+    with pytest.raises(ValueError, match="class 0"):
+        load_fleet(f)
+
+
+def test_an_oversupplied_learner_trains_all_the_time_and_keeps_its_books():
+    sim = _sim(samplers=30)
+    r = sim.run()
+    assert r["learner"]["training"] + r["learner"]["publishing"] > 0.95
+    assert r["counts"]["busy_replies"] > 0 and r["counts"]["updates"] > 50
+    _books_balance(sim, r)
+
+
+def test_an_undersupplied_learner_mostly_waits_and_sees_fresh_data():
+    sim = _sim(fleet=(HardwareClass("cpu", 1.0, 40, 100, 20, 50, math.inf, 1.0),), samplers=2)
+    r = sim.run()
+    assert r["learner"]["waiting"] > 0.8
+    assert r["staleness"]["buckets"]["0"] + r["staleness"]["buckets"]["1"] > 0.5
+    _books_balance(sim, r)
+
+
+def test_max_staleness_refuses_old_batches():
+    free = _sim(samplers=40).run()
+    capped_sim = _sim(samplers=40, max_staleness=2)
+    capped = capped_sim.run()
+    assert capped["counts"]["batches_refused_stale"] > 0
+    assert capped["staleness"]["mean"] < free["staleness"]["mean"]
+    _books_balance(capped_sim, capped)
+
+
+def test_slow_links_block_on_checkpoints_unless_fetching_in_background():
+    blocking = _sim(fleet=(SLOW_LINK,), samplers=4).run()
+    background = _sim(fleet=(SLOW_LINK,), samplers=4, background_fetch=True).run()
+    assert blocking["sampler_time"].get("fetching", 0) > 0.5
+    assert background["counts"]["batches_generated"] > 2 * blocking["counts"]["batches_generated"]
+    # a smaller delta (fewer changed chunks) means fewer bytes per sampler
+    delta = _sim(fleet=(SLOW_LINK,), samplers=4, changed_frac=0.05).run()
+    assert delta["sampler_GB_per_h"]["down_median"] < blocking["sampler_GB_per_h"]["down_median"]
+
+
+def test_churn_loses_generations_but_no_queued_batch():
+    sim = _sim(fleet=(CHURNY,), samplers=20, hours=0.5)
+    r = sim.run()
+    assert r["counts"]["generations_lost_to_churn"] > 0
+    assert r["sampler_time"]["offline"] > 0.05
+    _books_balance(sim, r)
+
+
+def test_same_seed_same_run():
+    a, b = _sim(seed=3).run(), _sim(seed=3).run()
+    assert a["staleness"] == b["staleness"] and a["counts"] == b["counts"]
+
+
+def test_cli_prints_a_table_and_writes_json(tmp_path):
+    out = tmp_path / "sim.json"
+    cmd = [sys.executable, "-m", "heterorl.cli", "simulate", "--samplers", "5", "20", "--hours", "0.2"]
+    cmd += ["--warmup-h", "0.05", "--model-bytes", "1e8", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| 5 |" in done.stdout and "| 20 |" in done.stdout
+    results = json.loads(out.read_text())
+    assert [r["config"]["samplers"] for r in results] == [5, 20]
+    bad = subprocess.run(
+        cmd[:-2] + ["--fleet", str(tmp_path / "missing.json")], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "error" in bad.stdout
