@@ -90,6 +90,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         from heterorl.peer import objectives
+        from heterorl.peer.learner.buffer import check_update_fits
 
         objectives.default_advantage(self.objective)  # ValueError naming the valid objectives
         if not self.learner_keys:
@@ -103,6 +104,7 @@ class RunConfig:
                 raise ValueError(f"learner.{name} must be >= 1")
         if self.sampler.prompts_per_batch * ls.group_size > self.max_batch_rows:
             raise ValueError("sampler.prompts_per_batch × learner.group_size exceeds limits.max_batch_rows")
+        check_update_fits(ls.prompts_per_update, self.sampler.prompts_per_batch, ls.buffer_batches)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {

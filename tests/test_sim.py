@@ -138,6 +138,11 @@ def test_churn_loses_generations_but_no_queued_batch():
     _books_balance(sim, r)
 
 
+def test_a_buffer_smaller_than_an_update_is_refused():
+    with pytest.raises(ValueError, match="never fill an update"):
+        SimConfig(prompts_per_update=64, prompts_per_batch=2, buffer_batches=16)
+
+
 def test_same_seed_same_run():
     a, b = _sim(seed=3).run(), _sim(seed=3).run()
     assert a["staleness"] == b["staleness"] and a["counts"] == b["counts"]

@@ -37,6 +37,11 @@ def test_example_config_parses_and_round_trips_through_the_runspec(tmp_path):
         ({"learner_keys": [KEY], "learner": {"batch": 3}}, "unknown setting"),
         ({"learner_keys": [KEY], "colour": "red"}, "unknown section"),
         ({"learner_keys": [KEY], "learner": {"group_size": 0}}, "group_size"),
+        # 8 batches of 2 groups can never hold a 32-group update: the learner would wait forever
+        (
+            {"learner_keys": [KEY], "learner": {"prompts_per_update": 32, "buffer_batches": 8}},
+            "buffer_batches >= 16",
+        ),
     ],
 )
 def test_bad_configs_say_what_is_wrong(data, match):

@@ -91,9 +91,9 @@ def table(results: list[dict]) -> str:
     head = (
         "| samplers | updates/h | learner train / publish / wait | staleness mean · p50 · p90 · max "
         "| 0-1 · 2-7 · 8-15 · 16+ | sampler time gen / fetch / full outbox | sampler GB/h down (p90) · up "
-        "| learner up GB/h | busy replies per accept |"
+        "| learner up GB/h | busy replies per accept | generated batches refused as stale |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for r in results:
         st, b, lt, t = r["staleness"], r["staleness"]["buckets"], r["learner"], r["sampler_time"]
         gb, c = r["sampler_GB_per_h"], r["counts"]
@@ -107,7 +107,8 @@ def table(results: list[dict]) -> str:
             f"/ {t.get('outbox full', 0) / online:.0%} "
             f"| {gb['down_median']:.1f} ({gb['down_p90']:.1f}) · {gb['up_median']:.2f} "
             f"| {r['learner_upload_GB_per_h']:.0f} "
-            f"| {c.get('busy_replies', 0) / max(1, c.get('batches_accepted', 0)):.1f} |"
+            f"| {c.get('busy_replies', 0) / max(1, c.get('batches_accepted', 0)):.1f} "
+            f"| {c.get('batches_refused_stale', 0) / max(1, c.get('batches_generated', 0)):.0%} |"
         )
     return "\n".join(lines)
 

@@ -26,7 +26,7 @@ import math
 import random
 import statistics
 
-from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer
+from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer, check_update_fits
 from heterorl.peer.learner.update import STALENESS_BUCKETS, staleness_bucket, staleness_refusal
 from heterorl.protocol.outbox import backoff_ceiling
 
@@ -68,6 +68,7 @@ class SimConfig:
         for f in ("samplers", "prompts_per_update", "group_size", "prompts_per_batch", "buffer_batches"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f} must be >= 1")
+        check_update_fits(self.prompts_per_update, self.prompts_per_batch, self.buffer_batches)
         if not 0 <= self.warmup_h < self.hours:
             raise ValueError("warmup_h must lie in [0, hours)")
         if not 0 < self.changed_frac <= 1:

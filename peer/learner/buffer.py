@@ -19,6 +19,21 @@ class Buffered:
         return len({r["group"] for r in self.body["rows"]})
 
 
+def check_update_fits(prompts_per_update: int, prompts_per_batch: int, buffer_batches: int) -> None:
+    """ValueError unless a full buffer holds one update's prompt groups.
+
+    The receiver says "busy" once ``buffer_batches`` batches wait, so with fewer than ``prompts_per_update``
+    groups in them the learner would wait for an update that can never fill (found by ``heterorl simulate``).
+    """
+    if buffer_batches * prompts_per_batch < prompts_per_update:
+        need = -(-prompts_per_update // prompts_per_batch)
+        raise ValueError(
+            f"learner.buffer_batches ({buffer_batches}) × sampler.prompts_per_batch ({prompts_per_batch}) = "
+            f"{buffer_batches * prompts_per_batch} prompt groups, fewer than learner.prompts_per_update "
+            f"({prompts_per_update}): the learner could never fill an update; set buffer_batches >= {need}"
+        )
+
+
 class TrajectoryBuffer:
     """FIFO of accepted batches. ``has_room`` drives the receiver's flow control ("busy, retry later")."""
 
