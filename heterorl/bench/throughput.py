@@ -67,30 +67,36 @@ def steady_rate(ends: list[float], warmup: int, per_step: float = 1.0) -> float:
 # ---- the parts ----
 
 
-def _rl(args, model: str, out: Path) -> dict:
+def _ours(args, model: str, objective: str, out: Path) -> tuple[float, float]:
+    """``heterorl train --local`` on the benchmark's configuration: (steady steps/s, mean length)."""
     from heterorl.peer.train import LocalConfig, run_local
 
+    cfg = LocalConfig(
+        model=model,
+        objective=objective,
+        steps=args.steps,
+        prompts_per_step=args.prompts,
+        group_size=args.group_size,
+        max_new_tokens=args.max_new_tokens,
+        lr=args.lr,
+        seed=0,
+    )
+    d = out / f"ours-{objective}"
+    t0 = time.perf_counter()
+    run_local(cfg, d, progress=False)
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    rate = steady_rate([t0 + r["time_s"] for r in rows], args.warmup)
+    return rate, statistics.fmean(r["completion_len/mean"] for r in rows)
+
+
+def _rl(args, model: str, out: Path) -> dict:
     from .trl_grpo import run_trl_grpo
 
     res = {}
     for objective in ("grpo", "gepo"):
-        cfg = LocalConfig(
-            model=model,
-            objective=objective,
-            steps=args.steps,
-            prompts_per_step=args.prompts,
-            group_size=args.group_size,
-            max_new_tokens=args.max_new_tokens,
-            lr=args.lr,
-            seed=0,
+        res[f"ours_{objective}_steps_per_s"], res[f"ours_{objective}_mean_length"] = _ours(
+            args, model, objective, out
         )
-        d = out / f"ours-{objective}"
-        t0 = time.perf_counter()
-        run_local(cfg, d, progress=False)
-        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-        ends = [t0 + r["time_s"] for r in rows]
-        res[f"ours_{objective}_steps_per_s"] = steady_rate(ends, args.warmup)
-        res[f"ours_{objective}_mean_length"] = statistics.fmean(r["completion_len/mean"] for r in rows)
     trl = run_trl_grpo(
         model,
         task_name="arithmetic",
@@ -289,20 +295,7 @@ def swarm_window(metrics: list[dict], warmup: int) -> dict:
 def _swarm(args, model: str, out: Path, single_steps_per_s: float | None) -> dict:
     res: dict = {}
     if single_steps_per_s is None:  # the single-process loop on the same configuration, for the ratio
-        from heterorl.peer.train import LocalConfig, run_local
-
-        cfg = LocalConfig(
-            model=model,
-            steps=args.steps,
-            prompts_per_step=args.prompts,
-            group_size=args.group_size,
-            max_new_tokens=args.max_new_tokens,
-            lr=args.lr,
-        )
-        d, t0 = out / "ours-gepo", time.perf_counter()
-        run_local(cfg, d, progress=False)
-        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-        single_steps_per_s = steady_rate([t0 + r["time_s"] for r in rows], args.warmup)
+        single_steps_per_s, _ = _ours(args, model, "gepo", out)
     res["single_process_trajectories_per_s"] = single_steps_per_s * args.prompts * args.group_size
     for k in args.samplers:
         d = out / f"swarm-{k}"
