@@ -113,7 +113,7 @@ class Learner:
         self.publish_failures = 0
         self.publishes = 0
         self._unannounced: tuple[bytes, dict] | None = None
-        self._announce_lock = threading.Lock()
+        self._announce_lock = threading.RLock()  # a done callback may run at once, in this thread
         self._announcing: concurrent.futures.Future | None = None
         self._next_announce: tuple[bytes, dict] | None = None
         self.wait_s = 0.0
