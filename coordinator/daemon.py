@@ -3,7 +3,7 @@ dashboard.
 
 The run does not depend on it: the RunSpec lives in the DHT and every peer serves it, learners and samplers
 talk directly. A restarted coordinator reuses the RunSpec (and run id) and the view kept in its state
-directory.
+directory, and calls the peers it saw before (``known_peers.json``): nobody else would find it on a new port.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 log = logging.getLogger("heterorl.coordinator")
 
 SPEC_REPUBLISH_S = 3600.0
+REJOIN_EVERY_S = 5.0  # how often a coordinator that knows no DHT peer calls the peers it saw before
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("run %s; coordinator key %s", spec["run_id"], identity.public_key.hex())
         log.info("peers join with: heterorl peer --bootstrap %s", " ".join(maddrs))
         log.info("dashboard at %s (metrics at %smetrics)", dash.url, dash.url)
-        _serve(node, raw, view, lock, stop, args.poll_s)
+        _serve(node, raw, view, lock, stop, args.poll_s, state_dir)
     finally:
         with lock:
             view.save()
@@ -157,12 +158,34 @@ def _locked(lock: threading.Lock, fn):
         return fn()
 
 
-def _serve(node, raw: bytes, view, lock: threading.Lock, stop: threading.Event, poll_s: float) -> None:
+def _serve(
+    node, raw: bytes, view, lock: threading.Lock, stop: threading.Event, poll_s: float, state_dir: Path
+) -> None:
+    from heterorl.peer.daemon.join import dial_addresses, known_peers, remember_peers
+
     from .view import fetch_records
 
     published_at = 0.0
     saved_at = time.monotonic()
+    rejoined_at = -REJOIN_EVERY_S
+    remembered: set[str] = set()
+    lonely = False
     while not stop.is_set():
+        if node.known_dht_peers() == 0 and time.monotonic() - rejoined_at > REJOIN_EVERY_S:
+            # a restart (on a new port, or after an outage) leaves us knowing nobody: nobody would call us
+            rejoined_at = time.monotonic()
+            known = known_peers(state_dir)
+            if known:
+                try:
+                    n = node.call(node.rejoin(known), timeout=60)
+                except Exception as e:
+                    n = 0
+                    log.debug("rejoin failed: %s", e)
+                if n:
+                    log.info("rejoined the swarm through %d of %d peer(s) seen before", n, len(known))
+                elif not lonely:  # said once, not every few seconds while alone
+                    log.warning("none of the %d peer(s) seen before answers; waiting for peers", len(known))
+                lonely = not n
         if time.monotonic() - published_at > SPEC_REPUBLISH_S or not published_at:
             try:
                 if node.call(node.publish_message(raw), timeout=30):
@@ -173,6 +196,10 @@ def _serve(node, raw: bytes, view, lock: threading.Lock, stop: threading.Event, 
             records = node.call(fetch_records(node, view.run_id), timeout=30)
             with lock:
                 view.apply(*records)
+            seen = dial_addresses(records[0], node.identity.public_key)
+            if not set(seen) <= remembered:  # so that a restarted coordinator can call them
+                remember_peers(state_dir, seen)
+                remembered.update(seen)
         except Exception as e:
             log.warning("view not refreshed: %s", e)
         if time.monotonic() - saved_at > 5:

@@ -61,9 +61,12 @@ def test_heterorl_local_learns_and_every_sampler_follows_the_checkpoints(tmp_pat
     assert sum(summary["staleness"].values()) == summary["batches_applied"]
     assert summary["staleness"]["0"] + summary["staleness"]["1"] < summary["batches_applied"]  # some stale
     assert set(summary["samplers"]) == {"sampler-0", "sampler-1", "sampler-2"}
-    for name, s in summary["samplers"].items():
-        versions = s["versions_loaded"]
-        assert versions[0] == 0 and versions == sorted(versions), (name, versions)
+    loaded = {name: s["versions_loaded"] for name, s in summary["samplers"].items()}
+    # v1 needs batches sampled with v0, so some sampler began with v0; one whose start was slower may join at
+    # whatever version is newest by then (as a volunteer joining mid-run does)
+    assert min(v[0] for v in loaded.values() if v) == 0, loaded
+    for name, versions in loaded.items():
+        assert versions == sorted(set(versions)), (name, versions)  # only ever forward, each version once
         assert versions[-1] >= steps // 2, (name, versions)  # checkpoints reached every sampler, late too
     assert "learner updates" in done.stdout
     # the learner's per-step time accounting, which `heterorl bench throughput` reads
@@ -89,21 +92,25 @@ def test_churn_samplers_learner_and_coordinator_come_and_go(swarm):
     learner = swarm.start_learner()
     swarm.wait_step(at_kill + 5)
     swarm.coord.terminate()  # the run goes on without the coordinator
-    t_stop = time.time()
-    swarm.wait_step(swarm.step() + 4)
+    t_stop, step_at_stop = time.time(), swarm.step()
+    assert swarm.coord.p.wait(30) == 0
+    saved = json.loads((swarm.root / "coordinator" / "view.json").read_text())
+    swarm.wait_step(step_at_stop + 4)
     assert max(r["time"] for r in swarm.metrics()) > t_stop
-    # a restarted coordinator resumes its view: same run, history kept
+    # a restarted coordinator (on another port: nobody can call it) resumes its view with the history kept,
+    # rejoins through the peers it saw before and shows the run live again
     swarm.start_coordinator()
     assert swarm.ready["run_id"] == run_id
-    deadline = time.time() + 90  # a restarted learner's heartbeats can take ~30 s to show (see the notes)
-    while time.time() < deadline:
-        view = swarm.view()
-        if view["learner"].get("reward_curve") and any(
-            p["role"] == "learner" and p["alive"] for p in view["peers"]
-        ):
-            break
+    view = swarm.view()
+    kept = saved["reward_curve"]
+    assert view["learner"]["reward_curve"][: len(kept)] == kept and len(view["peers"]) >= len(saved["peers"])
+    deadline = time.time() + 90
+    while time.time() < deadline and view["learner"].get("step", 0) <= step_at_stop:
         time.sleep(1)
-    assert view["learner"]["reward_curve"] and view["latest_version"] >= at_kill
+        view = swarm.view()
+    assert view["learner"]["step"] > step_at_stop, swarm.logs()  # fresh heartbeats, not the saved view
+    assert view["learner"]["reward_curve"] and view["latest_version"] > step_at_stop
+    assert "rejoined the swarm through" in (swarm.root / "coordinator" / "coordinator.log").read_text()
     stop_all([learner, s1, s2])
     # exactly once: no batch applied twice in the final lineage, every applied id is in the ledger
     applied, twice = _applied_once(swarm)

@@ -17,7 +17,7 @@ from heterorl.protocol.dht import peers_key
 from heterorl.protocol.messages import pack_stats
 from heterorl.protocol.node import Node
 
-from .join import known_peers, remember_peers
+from .join import dial_addresses, known_peers, remember_peers
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +79,8 @@ class Heartbeat:
                 log.warning("cannot reach any DHT peer (bootstrap or seen before); retrying")
         if self.state_dir is not None and time.monotonic() - self._last_peers > 30:
             self._last_peers = time.monotonic()
-            seen = [
-                f"{m}/p2p/{r.body['peer_id']}"
-                for r in await self.node.lookup(peers_key(self.run_id))
-                if r.author != self.node.identity.public_key
-                for m in r.body["maddrs"][:2]
-            ]
+            records = await self.node.lookup(peers_key(self.run_id))
+            seen = dial_addresses(records, self.node.identity.public_key)
             if seen:
                 await asyncio.to_thread(remember_peers, self.state_dir, seen)
         return ok

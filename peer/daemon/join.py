@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from heterorl.protocol import Identity, ProtocolError
-from heterorl.protocol.node import NetConfig, Node
+from heterorl.protocol.node import NetConfig, Node, Record
 from heterorl.protocol.spec import SpecServer, check_run_key, lookup_specs, request_spec
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,16 @@ def known_peers(state_dir: Path) -> list[str]:
 def remember_peers(state_dir: Path, maddrs: list[str]) -> None:
     merged = list(dict.fromkeys([*maddrs, *known_peers(state_dir)]))[:MAX_KNOWN_PEERS]
     _write_json(state_dir / "known_peers.json", merged)
+
+
+def dial_addresses(heartbeats: list[Record], own_key: bytes, per_peer: int = 2) -> list[str]:
+    """``/…/p2p/<peer id>`` addresses of the other peers in these Heartbeat records (to rejoin through)."""
+    return [
+        f"{m}/p2p/{r.body['peer_id']}"
+        for r in heartbeats
+        if r.kind == "Heartbeat" and r.author != own_key
+        for m in r.body["maddrs"][:per_peer]
+    ]
 
 
 def start_node(identity: Identity, config: NetConfig, state_dir: Path, retries: int = 3) -> Node:
