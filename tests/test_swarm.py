@@ -126,6 +126,25 @@ def test_churn_samplers_learner_and_coordinator_come_and_go(swarm):
     assert "resumed from my own state" in log and "Traceback" not in log
 
 
+def test_a_version_0_other_than_the_runspecs_initial_checkpoint_is_refused_once(swarm):
+    swarm.start_coordinator()
+    swarm.start_learner("--mode", "wrong-initial", module="heterorl.testing.hostile")  # signs a wrong v0
+    swarm.start_sampler("s0")
+    log = swarm.root / "s0" / "sampler.log"
+    deadline = time.time() + 120
+    while time.time() < deadline and "refused checkpoint version 0" not in _text(log):
+        time.sleep(0.5)
+    assert "version 0 does not match the RunSpec's initial checkpoint hash" in _text(log), swarm.logs()
+    time.sleep(3)  # it checks for checkpoints every 0.5 s: the refused manifest is not fetched again
+    assert _text(log).count("refused checkpoint version 0") == 1
+    assert not (swarm.root / "s0" / "versions.jsonl").exists()  # never loaded: nothing sampled with it
+    assert swarm.step() == 0
+
+
+def _text(path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 @pytest.mark.parametrize("modes", [("wrong-reward", "forged", "other-run", "foreign-prompt")])
 def test_hostile_samplers_are_rejected_shown_and_do_not_stop_learning(swarm, modes):
     swarm.start_coordinator()

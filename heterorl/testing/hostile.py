@@ -1,8 +1,10 @@
-"""A hostile sampler for tests: a real peer daemon whose batches are wrong on purpose.
+"""Hostile peers for tests: real peer daemons that are wrong on purpose.
 
-``python -m heterorl.testing.hostile --mode MODE <heterorl peer flags>``. Modes:
+``python -m heterorl.testing.hostile --mode MODE <heterorl peer flags>``. Sampler modes (``--role sampler``):
 ``wrong-reward`` (claims reward 1 - true), ``forged`` (a signed byte changed after signing),
 ``other-run`` (batches signed for another run id), ``foreign-prompt`` (prompts not from the run's task).
+Learner mode (``--role learner``, with a key the run lists): ``wrong-initial`` (publishes, signed, a
+version 0 whose weights differ from the RunSpec's initial checkpoint).
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ import argparse
 import sys
 
 import msgpack
+import torch
 
 from heterorl.peer.daemon import main as peer_main
 from heterorl.peer.daemon.sampler import Sampler
 from heterorl.protocol import decode, encode
 
-MODES = ("wrong-reward", "forged", "other-run", "foreign-prompt")
+SAMPLER_MODES = ("wrong-reward", "forged", "other-run", "foreign-prompt")
+LEARNER_MODES = ("wrong-initial",)
+MODES = SAMPLER_MODES + LEARNER_MODES
 
 
 def hostile_sampler(mode: str) -> type:
@@ -42,12 +47,29 @@ def hostile_sampler(mode: str) -> type:
     return Hostile
 
 
+def hostile_learner(mode: str) -> type:
+    from heterorl.peer.daemon.learner import Learner
+
+    class Hostile(Learner):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)  # checks our weights against the RunSpec's hash
+            if mode == "wrong-initial" and self.step == 0:
+                with torch.no_grad():  # then changes them: version 0 is published signed, but not the spec's
+                    next(self.model.parameters()).add_(0.01)
+
+    return Hostile
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m heterorl.testing.hostile", description=__doc__)
     ap.add_argument("--mode", choices=MODES, required=True)
     peer_main.add_arguments(ap)
     args = ap.parse_args(argv)
-    return peer_main.run(args, sampler_class=hostile_sampler(args.mode))
+    role_modes = SAMPLER_MODES if args.role == "sampler" else LEARNER_MODES
+    if args.mode not in role_modes:
+        ap.error(f"--mode {args.mode} is not a {args.role} mode ({', '.join(role_modes)})")
+    make = hostile_sampler if args.role == "sampler" else hostile_learner
+    return peer_main.run(args, peer_class=make(args.mode))
 
 
 if __name__ == "__main__":

@@ -51,9 +51,11 @@ class Swarm:
     def bootstrap(self) -> list[str]:
         return ["--bootstrap", *self.ready["maddrs"], "--run-key", self.ready["run_key"]]
 
-    def start_learner(self, *extra: str, wrap: list[str] | None = None) -> Proc:
-        args = ["peer", "--role", "learner", "--state-dir", str(self.learner_dir), "--threads", "1"]
-        return self._start("learner", [*args, *self.bootstrap(), *extra], wrap=wrap)
+    def start_learner(self, *extra: str, module: str = "heterorl.cli", wrap: list[str] | None = None) -> Proc:
+        args = ["--role", "learner", "--state-dir", str(self.learner_dir), "--threads", "1"]
+        if module == "heterorl.cli":
+            args = ["peer", *args]
+        return self._start("learner", [*args, *self.bootstrap(), *extra], module=module, wrap=wrap)
 
     def start_sampler(
         self, name: str, *extra: str, module: str = "heterorl.cli", wrap: list[str] | None = None

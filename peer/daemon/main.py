@@ -49,8 +49,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_net_arguments(ap)
 
 
-def run(args: argparse.Namespace, sampler_class: type | None = None) -> int:
-    """Join and run until stopped; ``sampler_class`` replaces the Sampler (hostile peers in tests)."""
+def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
+    """Join and run until stopped; ``peer_class`` replaces the role's Sampler or Learner (hostile tests)."""
     from heterorl.netflags import net_config_from_args
     from heterorl.protocol import load_or_create_identity
 
@@ -101,13 +101,15 @@ def run(args: argparse.Namespace, sampler_class: type | None = None) -> int:
         if args.role == "sampler":
             from .sampler import Sampler, SamplerOptions
 
-            peer = (sampler_class or Sampler)(
+            peer = (peer_class or Sampler)(
                 joined, identity, state_dir, hw, SamplerOptions(args.slowdown, max_batches=args.max_batches)
             )
         else:
             from .learner import Learner, LearnerOptions
 
-            peer = Learner(joined, identity, state_dir, hw, LearnerOptions(max_steps=args.max_steps))
+            peer = (peer_class or Learner)(
+                joined, identity, state_dir, hw, LearnerOptions(max_steps=args.max_steps)
+            )
         peer.run(stop)
     except (PermissionError, ValueError) as e:
         log.error("%s", e)

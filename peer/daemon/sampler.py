@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import logging
 import random
@@ -86,6 +87,7 @@ class Sampler:
         self.server = ChunkServer(self.store)
         self.sender = TrajectorySender(self.node, self.outbox, s.run_id, s.learner_keys)
         self._last_check = 0.0
+        self._refused: set[bytes] = set()  # manifests whose weights we refused: not fetched again
         self._stop = threading.Event()
 
     # ---- checkpoints ----
@@ -105,6 +107,8 @@ class Sampler:
             return
         raw, body = found
         v = body["version"]
+        if hashlib.sha256(raw).digest() in self._refused:
+            return
         self.status.state = f"fetching version {v}"
         level = logging.INFO if not self.loaded or v % 10 == 0 else logging.DEBUG  # logs stay bounded
         log.log(level, "fetching checkpoint version %d (%d bytes)", v, body["total_size"])
@@ -114,11 +118,18 @@ class Sampler:
             )
             report = self._interruptible(fetch, 130)
             data = self.store.assemble(v)
+        except Exception as e:  # a network or disk failure: try again at the next check
+            log.warning("could not switch to version %d: %s", v, e)
+            return
+        try:
             if v == 0 and weights_hash(data) != s.initial_checkpoint:
                 raise ValueError("version 0 does not match the RunSpec's initial checkpoint hash")
             load_weights(self.model, data)
-        except Exception as e:
-            log.warning("could not switch to version %d: %s", v, e)
+        except Exception as e:  # these signed bytes will never do: refuse this manifest for good
+            self._refused.add(hashlib.sha256(raw).digest())
+            held = "no checkpoint yet" if self.version is None else f"keeping version {self.version}"
+            log.error("refused checkpoint version %d: %s; %s", v, e, held)
+            self.status.state = f"refused checkpoint version {v}"
             return
         self.version = v
         self.loaded.append(v)
