@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -41,6 +40,7 @@ from ..learner.update import (
 )
 from ..model import load_model
 from ..tasks import get_task
+from .announcer import Announcer
 from .hardware import Hardware
 from .heartbeat import Heartbeat, Status
 from .join import Joined
@@ -110,12 +110,11 @@ class Learner:
         self.staleness = collections.Counter()
         self.last: dict[str, float] = {}
         self.published_version = -1
-        self.publish_failures = 0
-        self.publishes = 0
-        self._unannounced: tuple[bytes, dict] | None = None
-        self._announce_lock = threading.RLock()  # a done callback may run at once, in this thread
-        self._announcing: concurrent.futures.Future | None = None
-        self._next_announce: tuple[bytes, dict] | None = None
+        self.announcer = Announcer(
+            lambda raw, body: self.node.spawn(
+                asyncio.wait_for(announce_checkpoint(self.node, raw, body), ANNOUNCE_TIMEOUT_S)
+            )
+        )
         self.wait_s = 0.0
         self.train_s = 0.0
         self.publish_s = collections.Counter()  # save / build / announce: seconds, cumulative
@@ -164,70 +163,9 @@ class Learner:
         # else: built before a restart from these same saved weights; announce it again
         self.published_version = self.step
         t2 = time.perf_counter()
-        self._announce(raw, body)
-        self.publish_s.update({"save": t1 - t0, "build": t2 - t1, "announce": time.perf_counter() - t2})
-
-    def _announce(self, raw: bytes, body: dict) -> None:
-        """Announce a stored manifest in the DHT without holding training up (one announce in flight).
-
-        A publish while one is in flight waits its turn; a newer one supersedes it (samplers only want the
-        newest). A failed announce is retried when the learner next idles, unless a newer version came.
-        """
         self.store.add_manifest(raw, body)
-        with self._announce_lock:
-            if self._announcing is not None:
-                self._next_announce = (raw, body)
-                return
-            self._start_announce(raw, body)
-
-    def _start_announce(self, raw: bytes, body: dict) -> None:
-        fut = self.node.spawn(asyncio.wait_for(announce_checkpoint(self.node, raw, body), ANNOUNCE_TIMEOUT_S))
-        self._announcing = fut
-        fut.add_done_callback(lambda f: self._announce_done(f, raw, body))
-
-    def _announce_done(self, fut: concurrent.futures.Future, raw: bytes, body: dict) -> None:
-        with self._announce_lock:
-            self._announcing = None
-            nxt, self._next_announce = self._next_announce, None
-            try:
-                fut.result()
-            except (Exception, concurrent.futures.CancelledError) as e:
-                # the DHT can refuse or time out; the next version (or a retry) supersedes it
-                self.publish_failures += 1
-                log.warning(
-                    "checkpoint version %d not announced in the DHT (%s); will announce again",
-                    body["version"],
-                    e or type(e).__name__,
-                )
-                if nxt is None:
-                    self._unannounced = (raw, body)
-            else:
-                self._unannounced = None
-                self.publishes += 1
-                log.log(
-                    logging.INFO
-                    if body["version"] % 10 == 0 or self.publishes == 1
-                    else logging.DEBUG,  # bounded logs
-                    "published checkpoint version %d (%d bytes, %d chunks)",
-                    body["version"],
-                    body["total_size"],
-                    len(body["chunk_hashes"]),
-                )
-            if nxt is not None:
-                try:
-                    self._start_announce(*nxt)
-                except RuntimeError as e:  # the node is closing
-                    log.debug("announce of version %d dropped: %s", nxt[1]["version"], e)
-
-    def wait_announced(self, timeout: float) -> bool:
-        """Block until no announce is in flight or queued (before leaving); False on timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._announce_lock:
-                if self._announcing is None and self._next_announce is None:
-                    return True
-            time.sleep(0.05)
-        return False
+        self.announcer.announce(raw, body)  # in the background: training goes on
+        self.publish_s.update({"save": t1 - t0, "build": t2 - t1, "announce": time.perf_counter() - t2})
 
     # ---- training ----
 
@@ -292,7 +230,7 @@ class Learner:
             "duplicates": recv.duplicates,
             "deferred": recv.deferred,
             "replayed": self.replayed,
-            "publish_failures": self.publish_failures,
+            "publish_failures": self.announcer.failures,
             "wait_frac": self.wait_s / max(1e-9, self.wait_s + self.train_s),
             **{f"stale:{b}": self.staleness.get(b, 0) for b in STALENESS_BUCKETS},
         }
@@ -354,14 +292,7 @@ class Learner:
                             len(self.buffer),
                         )
                 else:
-                    pending = self._unannounced
-                    if (
-                        pending is not None
-                        and pending[1]["version"] == self.step
-                        and self._announcing is None
-                    ):
-                        self._unannounced = None
-                        self._announce(*pending)
+                    self.announcer.retry_failed(self.step)
                     waited += 0.5
                     if waited >= self.opt.wait_log_s:
                         log.info("waiting for trajectories (buffer %d batches)", len(self.buffer))
@@ -372,7 +303,7 @@ class Learner:
                     self.publish()
                 except Exception as e:
                     log.warning("final checkpoint not published (my state is saved): %s", e)
-            if not self.wait_announced(ANNOUNCE_TIMEOUT_S):
+            if not self.announcer.wait_idle(ANNOUNCE_TIMEOUT_S):
                 log.warning("leaving before the last checkpoint announce finished")
             self.status.state = "leaving"
             self._write_final_stats()
