@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from heterorl.bench.throughput import swarm_window
@@ -139,6 +140,19 @@ def test_a_version_0_other_than_the_runspecs_initial_checkpoint_is_refused_once(
     assert _text(log).count("refused checkpoint version 0") == 1
     assert not (swarm.root / "s0" / "versions.jsonl").exists()  # never loaded: nothing sampled with it
     assert swarm.step() == 0
+
+
+def test_a_peer_whose_libp2p_daemon_dies_exits_so_that_its_supervisor_restarts_it(swarm):
+    swarm.start_coordinator()
+    learner, sampler = swarm.start_learner(), swarm.start_sampler("s0")
+    swarm.wait_step(2)
+    logs = (swarm.root / "s0" / "sampler.log", swarm.learner_dir / "learner.log")
+    for proc, log in zip((sampler, learner), logs, strict=True):
+        daemons = [c for c in psutil.Process(proc.p.pid).children() if c.name() == "p2pd"]
+        assert len(daemons) == 1, daemons
+        daemons[0].kill()
+        assert proc.p.wait(60) == 1  # not a hang, not a clean exit: a supervisor restarts it
+        assert "the libp2p daemon died" in _text(log)
 
 
 def _text(path) -> str:
