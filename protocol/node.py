@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
+class DaemonDied(RuntimeError):
+    """The go-libp2p daemon under a Node exited: the node is useless and the peer should restart."""
+
+
 @dataclasses.dataclass(frozen=True)
 class NetConfig:
     """How a peer joins the swarm; each field is a CLI flag of the peer daemons.
@@ -260,6 +264,11 @@ class Node:
             except ProtocolError as e:
                 log.warning("ignored a DHT record under %s: %s", key, e)
         return out
+
+    def check_daemon(self) -> None:
+        """Raise :class:`DaemonDied` once the go-libp2p daemon has exited."""
+        if not self.daemon_alive():
+            raise DaemonDied("the libp2p daemon died; exiting so that a supervisor restarts this peer")
 
     def daemon_alive(self) -> bool:
         """False once the go-libp2p daemon process has exited (the node is then useless: restart the peer)."""

@@ -152,7 +152,7 @@ def test_a_peer_whose_libp2p_daemon_dies_exits_so_that_its_supervisor_restarts_i
         assert len(daemons) == 1, daemons
         daemons[0].kill()
         assert proc.p.wait(60) == 1  # not a hang, not a clean exit: a supervisor restarts it
-        assert "the libp2p daemon died" in _text(log)
+        assert "ERROR heterorl.peer: the libp2p daemon died" in _text(log) and "Traceback" not in _text(log)
 
 
 def _text(path) -> str:

@@ -274,8 +274,7 @@ class Learner:
         waited = 0.0
         try:
             while not stop.is_set():
-                if not self.node.daemon_alive():
-                    raise RuntimeError("the libp2p daemon died; exiting so that a supervisor restarts me")
+                self.node.check_daemon()
                 if self.opt.max_steps is not None and self.step >= self.opt.max_steps:
                     log.info("reached %d updates; stopping", self.step)
                     break
@@ -303,14 +302,15 @@ class Learner:
                     self.publish()
                 except Exception as e:
                     log.warning("final checkpoint not published (my state is saved): %s", e)
-            if not self.announcer.wait_idle(ANNOUNCE_TIMEOUT_S):
-                log.warning("leaving before the last checkpoint announce finished")
-            self.status.state = "leaving"
             self._write_final_stats()
-            try:
-                self.node.call(hb.publish_once(), timeout=10)
-            except Exception as e:
-                log.debug("last heartbeat: %s", e)
+            if self.node.daemon_alive():  # else nothing can be announced: leave at once (state is saved)
+                if not self.announcer.wait_idle(ANNOUNCE_TIMEOUT_S):
+                    log.warning("leaving before the last checkpoint announce finished")
+                self.status.state = "leaving"
+                try:
+                    self.node.call(hb.publish_once(), timeout=10)
+                except Exception as e:
+                    log.debug("last heartbeat: %s", e)
             hb_task.cancel()
             self.node.close()  # no stream handler may touch the ledger after this
             self.ledger.close()

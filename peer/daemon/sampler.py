@@ -99,7 +99,7 @@ class Sampler:
         s = self.settings
         newer = self.version + 1 if self.version is not None else 0
         try:
-            found = self.node.call(latest_manifest(self.node, s.run_id, s.learner_keys, newer), timeout=30)
+            found = self._interruptible(latest_manifest(self.node, s.run_id, s.learner_keys, newer), 30)
         except Exception as e:
             log.warning("checkpoint lookup failed: %s", e)
             return
@@ -154,18 +154,26 @@ class Sampler:
         )
 
     def _interruptible(self, coro, timeout: float):
-        """Run ``coro`` on the network loop; give up (cancelling it) on timeout or when asked to stop."""
+        """Run ``coro`` on the network loop; give up (cancelling it) on timeout, when asked to stop, or when
+        the libp2p daemon has died (nothing on the network can succeed any more)."""
         fut = self.node.spawn(coro)
         deadline = time.monotonic() + timeout
         while True:
             try:
                 return fut.result(timeout=0.2)
             except concurrent.futures.TimeoutError:
-                if self._stop.is_set() or time.monotonic() > deadline:
+                why = (
+                    "stopped"
+                    if self._stop.is_set()
+                    else "the libp2p daemon died"
+                    if not self.node.daemon_alive()
+                    else f"no result in {timeout:.0f} s"
+                    if time.monotonic() > deadline
+                    else None
+                )
+                if why is not None:
                     fut.cancel()
-                    raise TimeoutError(
-                        "stopped" if self._stop.is_set() else f"no result in {timeout:.0f} s"
-                    ) from None
+                    raise TimeoutError(why) from None
 
     # ---- rollouts ----
 
@@ -244,12 +252,13 @@ class Sampler:
         try:
             self._loop(stop)
         finally:
-            self._drain()
-            self.status.state = "leaving"
-            try:
-                self.node.call(hb.publish_once(), timeout=10)
-            except Exception as e:
-                log.debug("last heartbeat: %s", e)
+            if self.node.daemon_alive():  # else nothing can be sent: leave at once
+                self._drain()
+                self.status.state = "leaving"
+                try:
+                    self.node.call(hb.publish_once(), timeout=10)
+                except Exception as e:
+                    log.debug("last heartbeat: %s", e)
             hb_task.cancel()
             sender_task.cancel()
             queued = len(self.outbox)
@@ -260,8 +269,7 @@ class Sampler:
     def _loop(self, stop: threading.Event) -> None:
         ema = 0.0
         while not stop.is_set():
-            if not self.node.daemon_alive():
-                raise RuntimeError("the libp2p daemon died; exiting so that a supervisor restarts this peer")
+            self.node.check_daemon()
             if self.opt.max_batches is not None and self.batches >= self.opt.max_batches:
                 return
             self._maybe_switch()
