@@ -7,6 +7,7 @@ tens of seconds each on 2 CPU cores (marked slow).
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -153,6 +154,21 @@ def test_a_peer_whose_libp2p_daemon_dies_exits_so_that_its_supervisor_restarts_i
         daemons[0].kill()
         assert proc.p.wait(60) == 1  # not a hang, not a clean exit: a supervisor restarts it
         assert "ERROR heterorl.peer: the libp2p daemon died" in _text(log) and "Traceback" not in _text(log)
+
+
+def test_a_restarted_coordinator_whose_known_peers_are_gone_says_so_once_and_serves(swarm):
+    run_id = swarm.start_coordinator()["run_id"]
+    assert swarm.coord.terminate() == 0
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gone = f"/ip4/127.0.0.1/tcp/{port}/p2p/QmYyhP8MhkfDABcNSjeiQjXcrUGJ5vYaKdQL94zvEq98YM"
+    (swarm.root / "coordinator" / "known_peers.json").write_text(json.dumps([gone]))
+    swarm.start_coordinator()
+    time.sleep(12)  # it tries again every 5 s while it knows nobody
+    log = _text(swarm.root / "coordinator" / "coordinator.log")
+    assert log.count("none of the 1 peer(s) seen before answers") == 1, log[-2000:]
+    assert swarm.coord.alive() and swarm.view()["run_id"] == run_id
 
 
 def _text(path) -> str:
