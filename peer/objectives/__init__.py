@@ -10,6 +10,8 @@
 
 Every objective = importance weight × surrogate × aggregation (STYLE §3); ``stats`` carries
 IS-weight mean/var/max, ESS, clip fraction and KL(q‖p) estimates. No I/O, no model.
+Any objective takes truncated importance sampling against the inference/training mismatch
+(``tis_cap``, ``tis_logp``, ``tis_rows``; Yao et al. 2025, see :mod:`.tis`), applied here, once.
 Formulas, defaults and test vectors: shared/objectives-spec.md.
 """
 
@@ -29,6 +31,7 @@ from ._params import build_params
 from ._registry import all_specs, get
 from .advantages import advantage_names, advantages
 from .aggregation import aggregate, aggregation_names
+from .tis import mismatch_stats, tis_correction
 
 __all__ = [
     "advantage_names",
@@ -38,7 +41,9 @@ __all__ = [
     "compute",
     "default_advantage",
     "describe",
+    "mismatch_stats",
     "names",
+    "tis_correction",
 ]
 
 DEFAULT_OBJECTIVE = "gepo"
@@ -68,9 +73,17 @@ def compute(
     group_ids: Tensor,
     **params: Any,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Loss (to minimise) and detached diagnostics of objective ``name``; see the module docstring."""
+    """Loss (to minimise) and detached diagnostics of objective ``name``; see the module docstring.
+
+    With ``tis_cap`` set, the TIS rows' behaviour log-probs become ``tis_logp`` and every token's loss
+    is multiplied by w_t = min(exp(tis_logp − logq), C) before aggregation (Yao et al. 2025).
+    """
     spec = get(name)
     p = build_params(spec.params, params, name)
+    tis = None
+    if p.tis_cap is not None:
+        tis = tis_correction(logq, mask, p.tis_logp, p.tis_rows, p.tis_cap)
+        logq = tis.logq
     batch = build_batch(
         logp,
         logq,
@@ -82,11 +95,17 @@ def compute(
         token_advantages_ok=spec.token_advantages,
     )
     terms = spec.fn(batch, p)
+    token_loss = terms.token_loss
+    if tis is not None:
+        token_loss = token_loss * tis.weights.to(device=token_loss.device, dtype=token_loss.dtype)
     loss = aggregate(
         p.aggregation or spec.default_aggregation,
-        terms.token_loss,
+        token_loss,
         batch.mask,
         max_len=p.max_len,
         alpha=p.delta_l_alpha,
     )
-    return loss, diagnostics(batch, terms, loss)
+    stats = diagnostics(batch, terms, loss)
+    if tis is not None:
+        stats.update({k: float(v) for k, v in tis.stats.items()})
+    return loss, stats

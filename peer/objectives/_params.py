@@ -30,6 +30,10 @@ class CommonParams:
     delta_l_alpha: ΔL normalisation exponent (1 = minimum variance, 0.75 suggested for math).
     logratio_clamp: log-ratios are clamped to ±this before any exp.
     staleness: [B] learner version minus behaviour version of each row, or ``None``.
+    tis_cap: C of truncated importance sampling (Yao et al. 2025, :mod:`.tis`); ``None`` = TIS off.
+    tis_logp: [B,T] the learner's detached recompute of the behaviour policy; required iff ``tis_cap``.
+    tis_rows: [B] bool, rows whose ``tis_logp`` is valid (the learner holds their version);
+        ``None`` = all rows. Other rows keep the engine's log q and weight 1.
     """
 
     clip: ClipArg = 0.2
@@ -38,9 +42,21 @@ class CommonParams:
     delta_l_alpha: float = 1.0
     logratio_clamp: float = LOGRATIO_CLAMP
     staleness: Tensor | None = None
+    tis_cap: float | None = None
+    tis_logp: Tensor | None = None
+    tis_rows: Tensor | None = None
 
     def __post_init__(self) -> None:
         clip_bounds(self.clip)  # validates
+        if self.tis_cap is None:
+            if self.tis_logp is not None or self.tis_rows is not None:
+                raise ValueError("tis_logp / tis_rows given without tis_cap (None turns TIS off)")
+        else:
+            cap = self.tis_cap
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+                raise ValueError(f"tis_cap must be a number > 0, got {cap!r}")
+            if self.tis_logp is None:
+                raise ValueError("tis_cap needs tis_logp, the learner's recompute of the behaviour policy")
         if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
             raise ValueError(f"unknown aggregation {self.aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
         if self.max_len is not None and int(self.max_len) < 1:
