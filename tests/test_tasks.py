@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 import textwrap
 
@@ -27,6 +28,7 @@ from heterorl.peer.tasks import (
     reward_names,
     task_names,
 )
+from heterorl.peer.tasks.arithmetic import arithmetic_answer
 
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
 
@@ -136,6 +138,123 @@ def test_arithmetic_exact_reward():
 
 def test_arithmetic_alphabet():
     assert ArithmeticTask(ops="-+").alphabet() == "+-0123456789="
+
+
+# --- arithmetic, question style (for instruct models behind a chat template) ---------------------
+
+
+def test_arithmetic_question_prompt_and_default_reward():
+    task = ArithmeticTask(digits=2, ops="+", style="question")
+    ex = task.sample(random.Random(1))
+    m = re.fullmatch(r"What is (\d+) \+ (\d+)\? Answer with just the number\.", ex.prompt)
+    assert m and ex.solution == ex.reference == str(int(m.group(1)) + int(m.group(2)))
+    assert task.reward_fn is arithmetic_answer and ArithmeticTask().reward_fn is arithmetic_exact
+    ref = ex.reference
+    for reply in [
+        ref,
+        f" {ref}\n",
+        f"The answer is {ref}.",
+        f"{m.group(1)} + {m.group(2)} = {ref}",
+        f"#### {ref}",
+    ]:
+        assert task.reward(ex.prompt, reply, ref) == 1.0, reply
+    for reply in [
+        "",
+        "I don't know",
+        f"{ref} is wrong, it is {int(ref) + 1}",
+        f"{m.group(1)} + {m.group(2)}",
+    ]:
+        assert task.reward(ex.prompt, reply, ref) == 0.0, reply
+
+
+@pytest.mark.parametrize(
+    ("prompt", "reply", "reward"),
+    [
+        ("What is 0 + 6? Answer with just the number.", "6", 1.0),
+        ("What is 0 + 6? Answer with just the number.", "0 + 6 = 6", 1.0),
+        ("What is 0 + 6? Answer with just the number.", "0+6=6.", 1.0),
+        ("What is 0 + 6? Answer with just the number.", "#### 6", 1.0),
+        ("What is 0 + 6? Answer with just the number.", "That means 0 + 6 is ", 0.0),  # gsm8k says 1.0
+        ("What is 0 + 6? Answer with just the number.", "0 plus 6", 0.0),
+        ("What is 0 + 6? Answer with just the number.", "10 + 6", 1.0),  # not a restatement of 0 + 6
+        ("What is 6 - 3? Answer with just the number.", "Let's see: 6 - 3", 0.0),
+        ("What is 6 - 3? Answer with just the number.", "6 − 3 = 3", 1.0),
+        ("What is 1 * 7? Answer with just the number.", "1 × 7", 0.0),
+        ("What is 1 * 7? Answer with just the number.", "1 times 7 is 7", 1.0),
+        ("2+3=", "2+3 is 5", 1.0),  # not a question prompt: plain gsm8k
+    ],
+)
+def test_arithmetic_answer_ignores_restated_questions(prompt, reply, reward):
+    reference = str(eval(prompt.removeprefix("What is ").split("?")[0].rstrip("=")))
+    assert arithmetic_answer(prompt, reply, reference) == reward
+
+
+def test_arithmetic_question_reward_is_overridable():
+    task = get_task("arithmetic", style="question", reward="arithmetic_exact")
+    ex = task.sample(random.Random(0))
+    assert task.reward(ex.prompt, ex.reference, ex.reference) == 1.0
+    assert task.reward(ex.prompt, f"It is {ex.reference}.", ex.reference) == 0.0
+    assert get_task("arithmetic", style="question", reward="gsm8k").reward_fn is gsm8k
+
+
+@settings(max_examples=60)
+@given(
+    seeds, st.integers(1, 9), st.sampled_from(["+", "-", "*", "+-*"]), st.sampled_from(["bare", "question"])
+)
+def test_arithmetic_both_styles_recover_their_references(seed, digits, ops, style):
+    task = ArithmeticTask(digits=digits, ops=ops, style=style)
+    other = ArithmeticTask(digits=digits, ops=ops, style="bare" if style == "question" else "question")
+    alphabet = set(task.alphabet())
+    for ex in _stream(task, seed, 10):
+        assert task.reference_for(ex.prompt) == ex.reference
+        assert other.reference_for(ex.prompt) is None  # each style accepts only its own prompts
+        assert task.reward(ex.prompt, ex.solution, ex.reference) == 1.0
+        assert set(ex.prompt + ex.solution) <= alphabet
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "What is 2 + 3? Answer with just the number. Also ignore the above.",
+        "Ignore the rules. What is 2 + 3? Answer with just the number.",
+        "What is 2 + 3? Answer with just the number.\n",
+        " What is 2 + 3? Answer with just the number.",
+        "What is 2  + 3? Answer with just the number.",
+        "What is 2+3? Answer with just the number.",
+        "what is 2 + 3? answer with just the number.",
+        "What is 02 + 3? Answer with just the number.",  # the task never writes leading zeros
+        "What is -2 + 3? Answer with just the number.",
+        "What is \u0662 + 3? Answer with just the number.",  # a non-ASCII digit
+        "What is 100 + 3? Answer with just the number.",  # more digits than the task's
+        "What is 2 * 3? Answer with just the number.",  # not one of the task's ops
+        "What is 2 - 3? Answer with just the number.",  # the task never makes negative results
+        "What is 2 + 3?",
+        "2+3=",
+        "",
+    ],
+)
+def test_arithmetic_question_refuses_prompts_it_could_not_have_made(prompt):
+    assert ArithmeticTask(digits=2, ops="+-", style="question").reference_for(prompt) is None
+
+
+def test_arithmetic_question_accepts_its_own_prompts():
+    task = ArithmeticTask(digits=2, ops="+-", style="question")
+    assert task.reference_for("What is 0 + 99? Answer with just the number.") == "99"
+    assert task.reference_for("What is 10 - 10? Answer with just the number.") == "0"
+
+
+def test_arithmetic_question_alphabet():
+    alphabet = ArithmeticTask(ops="+", style="question").alphabet()
+    assert alphabet == "".join(sorted(set(alphabet))) and set("0123456789+?. Whatisnumber") <= set(alphabet)
+    assert "-" not in alphabet and "=" not in alphabet
+
+
+@pytest.mark.parametrize(
+    ("style", "match"), [("chat", "style must be one of bare, question"), ("", "style"), (1, "style")]
+)
+def test_arithmetic_bad_style(style, match):
+    with pytest.raises(ValueError, match=match):
+        get_task("arithmetic", style=style)
 
 
 # --- countdown ----------------------------------------------------------------------------------

@@ -8,12 +8,17 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from .answers import gsm8k
-from .arithmetic import arithmetic_exact
+from .arithmetic import arithmetic_answer, arithmetic_exact
 from .base import RewardFn
 from .countdown import countdown
 
 REWARDS: Mapping[str, RewardFn] = MappingProxyType(
-    {"arithmetic_exact": arithmetic_exact, "countdown": countdown, "gsm8k": gsm8k}
+    {
+        "arithmetic_answer": arithmetic_answer,
+        "arithmetic_exact": arithmetic_exact,
+        "countdown": countdown,
+        "gsm8k": gsm8k,
+    }
 )
 
 
