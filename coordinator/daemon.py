@@ -70,7 +70,8 @@ def _sign_spec(args: argparse.Namespace, state_dir: Path, identity) -> bytes:
 
     cfg = load_run_config(args.run_config)
     model, _tok = load_model(resolve_model(cfg.model, state_dir / "models"))
-    body = cfg.runspec_body(weights_hash(weights_bytes(model)), model.config.vocab_size)
+    initial = weights_hash(weights_bytes(model, cfg.learner.checkpoint_dtype))
+    body = cfg.runspec_body(initial, model.config.vocab_size)
     raw = encode("RunSpec", body, identity)
     tmp = stored.with_suffix(".tmp")
     tmp.write_bytes(raw)

@@ -20,6 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 TINY_MODEL = "tiny"  # the offline tiny model, built where it is missing
+CHAT_MODES = ("auto", "on", "off")  # heterorl.peer.model.prompts.CHAT_MODES (kept torch-free here)
 
 EXAMPLE = """\
 # A HeteroRL run. `heterorl coordinator --run-config run.toml` signs a RunSpec from this file.
@@ -28,6 +29,7 @@ learner_keys = ["<64 hex chars>"]  # `heterorl keys show --key learner.key`: who
 
 [model]
 path = "tiny"                      # the offline tiny model, or a local path / Hugging Face hub id
+chat = "auto"                      # prompts via the chat template: auto (if the tokenizer has one) | on | off
 
 [task]
 name = "arithmetic"                # arithmetic | countdown | jsonl:PATH
@@ -35,7 +37,7 @@ params = { digits = 1 }
 
 [objective]
 name = "gepo"                      # gepo (defensive sampling on stale data) | grpo | gspo | cispo | ...
-lr = 1e-3
+lr = 5e-4
 params = {}
 
 [sampling]
@@ -49,6 +51,10 @@ group_size = 8                     # completions per prompt
 publish_every = 1                  # publish a signed checkpoint every K updates
 max_staleness = -1                 # -1: use all data however stale; N: drop batches more than N versions old
 buffer_batches = 16                # accepted batches kept waiting; beyond it samplers are told to slow down
+# micro_batch_tokens = 16384       # tokens per forward pass (same gradient); absent: the whole update at once
+# gradient_checkpointing = false   # recompute activations in backward: less memory, ~30% more compute
+# checkpoint_dtype = "bfloat16"   # what checkpoints travel as (samplers' dtype); the learner trains float32
+# tis_cap = 2.0                    # truncated IS against sampler/learner mismatch (fresh rows); absent: off
 
 [sampler]
 prompts_per_batch = 2              # prompt groups per TrajectoryBatch
@@ -57,12 +63,40 @@ prompts_per_batch = 2              # prompt groups per TrajectoryBatch
 
 @dataclasses.dataclass(frozen=True)
 class LearnerSettings:
+    """``[learner]``. micro_batch_tokens: token budget of one forward pass (rows × padded prompt+completion
+    width), the gradient staying the full update's; ``None``: one forward for the whole update.
+    gradient_checkpointing: recompute activations in backward (HF models). tis_cap: C of truncated
+    importance sampling against the sampler/learner mismatch on fresh rows (Yao et al. 2025); ``None``: off.
+    checkpoint_dtype: what published checkpoints hold (the samplers' dtype; bf16 for real models on GPUs):
+    the learner keeps training its float32 copy and publishes its rounding.
+    """
+
     prompts_per_update: int = 16
     group_size: int = 8
     publish_every: int = 1
     max_staleness: int = -1
     buffer_batches: int = 16
     grad_clip: float = 1.0
+    micro_batch_tokens: int | None = None
+    gradient_checkpointing: bool = False
+    tis_cap: float | None = None
+    checkpoint_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"learner.checkpoint_dtype must be float32 or bfloat16, got {self.checkpoint_dtype!r}"
+            )
+        mbt = self.micro_batch_tokens
+        if mbt is not None and (isinstance(mbt, bool) or not isinstance(mbt, int) or mbt < 1):
+            raise ValueError(f"learner.micro_batch_tokens must be an integer >= 1 (or absent), got {mbt!r}")
+        if not isinstance(self.gradient_checkpointing, bool):
+            raise ValueError(
+                f"learner.gradient_checkpointing must be true or false, got {self.gradient_checkpointing!r}"
+            )
+        cap = self.tis_cap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+            raise ValueError(f"learner.tis_cap must be a number > 0 (or absent), got {cap!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +109,13 @@ class RunConfig:
     run_id: str
     learner_keys: tuple[str, ...]
     model: str = TINY_MODEL
+    chat: str = "auto"
     task: str = "arithmetic"
     task_params: dict = dataclasses.field(default_factory=lambda: {"digits": 1})
     objective: str = "gepo"
     objective_params: dict = dataclasses.field(default_factory=dict)
     advantage: str | None = None
-    lr: float = 1e-3
+    lr: float = 5e-4
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 6
@@ -93,6 +128,11 @@ class RunConfig:
         from heterorl.peer.learner.buffer import check_update_fits
 
         objectives.default_advantage(self.objective)  # ValueError naming the valid objectives
+        if self.chat not in CHAT_MODES:
+            raise ValueError(f"model.chat must be one of {', '.join(CHAT_MODES)}, got {self.chat!r}")
+        learners = sorted({"tis_cap", "tis_logp", "tis_rows"} & set(self.objective_params))
+        if learners:
+            raise ValueError(f"objective params {', '.join(learners)} are the learner's: use learner.tis_cap")
         if not self.learner_keys:
             raise ValueError("learner_keys is empty: list the public key of at least one learner")
         for k in self.learner_keys:
@@ -108,6 +148,7 @@ class RunConfig:
 
     def hyperparameters(self) -> dict[str, Any]:
         return {
+            "chat": self.chat,
             "task_params": self.task_params,
             "objective_params": self.objective_params,
             "advantage": self.advantage,
@@ -169,12 +210,13 @@ def parse_run_config(data: dict) -> RunConfig:
         run_id=str(data.get("run_id") or f"run-{secrets.token_hex(4)}"),
         learner_keys=tuple(data.get("learner_keys", ())),
         model=str(model.get("path", TINY_MODEL)),
+        chat=str(model.get("chat", "auto")),
         task=str(task.get("name", "arithmetic")),
         task_params=dict(task.get("params", {"digits": 1})),
         objective=str(obj.get("name", "gepo")),
         objective_params=dict(obj.get("params", {})),
         advantage=obj.get("advantage"),
-        lr=float(obj.get("lr", 1e-3)),
+        lr=float(obj.get("lr", 5e-4)),
         temperature=float(sampling.get("temperature", 1.0)),
         top_p=float(sampling.get("top_p", 1.0)),
         max_new_tokens=int(sampling.get("max_new_tokens", 6)),
@@ -201,6 +243,7 @@ class RunSettings:
 
     run_id: str
     model: str
+    chat: str
     task: str
     task_params: dict
     objective: str
@@ -225,6 +268,7 @@ class RunSettings:
             return cls(
                 run_id=body["run_id"],
                 model=body["model"],
+                chat=str(hp.get("chat", "auto")),
                 task=body["task"],
                 task_params=dict(hp.get("task_params", {})),
                 objective=body["objective"],

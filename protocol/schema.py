@@ -80,16 +80,21 @@ def array(item: Check, max_len: int, min_len: int = 0) -> Check:
     return check
 
 
-def record(fields: dict[str, Check]) -> Check:
-    """A map with exactly these string keys."""
+def record(fields: dict[str, Check], optional: dict[str, Check] | None = None) -> Check:
+    """A map with exactly these string keys, plus any of the ``optional`` ones (added to the format later,
+    so older peers' messages still decode)."""
+    optional = optional or {}
 
     def check(v: Any, path: str) -> dict:
         if not isinstance(v, dict):
             raise ProtocolError(f"{path}: expected a map, got {type(v).__name__}")
         keys = set(v)
-        if keys != set(fields):
-            missing, extra = sorted(set(fields) - keys), sorted(map(str, keys - set(fields)))
+        if not set(fields) <= keys <= set(fields) | set(optional):
+            missing = sorted(set(fields) - keys)
+            extra = sorted(map(str, keys - set(fields) - set(optional)))
             raise ProtocolError(f"{path}: missing {missing or '-'}, unexpected {extra or '-'}")
-        return {k: c(v[k], f"{path}.{k}") for k, c in fields.items()}
+        out = {k: c(v[k], f"{path}.{k}") for k, c in fields.items()}
+        out.update({k: c(v[k], f"{path}.{k}") for k, c in optional.items() if k in v})
+        return out
 
     return check

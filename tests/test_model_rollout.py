@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from heterorl.peer.model import completion_logprobs, load_model
+from heterorl.peer.model.prompts import PromptFormat
 from heterorl.peer.rollout import SamplingParams, make_backend
 from heterorl.peer.tasks import get_task
 
@@ -27,11 +28,13 @@ def rollouts(tiny_model_dir):
     model, tok = load_model(str(tiny_model_dir))
     task = get_task("arithmetic", digits=1)
     rng = random.Random(3)
-    prompts = [task.sample(rng).prompt for _ in range(24)]
+    fmt = PromptFormat(tok)
+    prompts = [fmt.encode(task.sample(rng).prompt) for _ in range(24)]
     torch.manual_seed(0)
     out = {}
+    backend = make_backend("hf", tiny_model_dir, tok, model=model)
     for temp in (1.0, 0.7):
-        out[temp] = make_backend("hf", tok).generate(model, prompts, SamplingParams(temp, 0.95, 6))
+        out[temp] = backend.generate(prompts, SamplingParams(temp, 0.95, 6))
     return model, tok, out
 
 
@@ -62,8 +65,8 @@ def test_mask_stops_after_first_eos(rollouts):
 
 def test_unknown_backend_is_a_clear_error(rollouts):
     _, tok, _ = rollouts
-    with pytest.raises(ValueError, match="available: hf"):
-        make_backend("vllm2", tok)
+    with pytest.raises(ValueError, match="available: auto, hf, vllm"):
+        make_backend("vllm2", "nowhere", tok)
 
 
 def test_sampling_params_are_validated():

@@ -153,13 +153,17 @@ class _List:
 @dataclasses.dataclass(frozen=True)
 class _Rec:
     fields: tuple[tuple[str, Any], ...]
+    optional: tuple[tuple[str, Any], ...] = ()
 
     def names(self) -> frozenset[str]:
         return frozenset(k for k, _ in self.fields)
 
+    def optional_names(self) -> frozenset[str]:
+        return frozenset(k for k, _ in self.optional)
 
-def _rec(**fields: Any) -> _Rec:
-    return _Rec(tuple(fields.items()))
+
+def _rec(_optional: dict[str, Any] | None = None, **fields: Any) -> _Rec:
+    return _Rec(tuple(fields.items()), tuple((_optional or {}).items()))
 
 
 _TOKENS = _List(_Int(0, 1 << 31, typical_hi=99), 0, MAX_TOKENS, typical=6)
@@ -182,6 +186,7 @@ SPEC: dict[str, _Rec] = {
             1,
             MAX_ROWS,
         ),
+        _optional={"engine": _Text(16), "engine_dtype": _Text(16)},
     ),
     "CheckpointManifest": _rec(
         run_id=_RUN_ID,
@@ -218,6 +223,7 @@ SPEC: dict[str, _Rec] = {
         maddrs=_MADDRS,
         hardware=_Text(256),
         stats=_List(_rec(name=_Text(32), value=_Num(-1e15, 1e15)), 0, 64),
+        _optional={"backend": _Text(64)},
     ),
     "Provider": _rec(
         run_id=_RUN_ID,
@@ -290,9 +296,10 @@ def _ocheck(spec: Any, v: Any, path: str) -> Any:
     if isinstance(spec, _Rec):
         if type(v) is not dict:
             raise _Reject(f"{path}: not a map")
-        if set(v) != spec.names():
+        if not spec.names() <= set(v) <= spec.names() | spec.optional_names():
             raise _Reject(f"{path}: wrong field set")
-        return {k: _ocheck(s, v[k], f"{path}.{k}") for k, s in spec.fields}
+        fields = spec.fields + tuple((k, s) for k, s in spec.optional if k in v)
+        return {k: _ocheck(s, v[k], f"{path}.{k}") for k, s in fields}
     raise AssertionError(spec)
 
 
@@ -577,7 +584,9 @@ def _gen(spec: Any, rng: random.Random, big: bool = False) -> Any:
             n = rng.randint(spec.lo, max(spec.lo, min(spec.hi, spec.typical)))
         return [_gen(spec.item, rng) for _ in range(n)]
     if isinstance(spec, _Rec):
-        return {k: _gen(s, rng, big) for k, s in spec.fields}
+        body = {k: _gen(s, rng, big) for k, s in spec.fields}
+        body.update({k: _gen(s, rng, big) for k, s in spec.optional if rng.random() < 0.5})
+        return body
     raise AssertionError(spec)
 
 

@@ -31,6 +31,7 @@ class Status:
     state: str = "joining"
     policy_version: int = -1
     tokens_per_s: float = 0.0
+    backend: str = ""  # a sampler's rollout engine (``RolloutBackend.describe()``)
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -63,6 +64,7 @@ class Heartbeat:
             "maddrs": maddrs[:16],
             "hardware": self.hardware[:256],
             "stats": pack_stats(st.stats),
+            **({"backend": st.backend[:64]} if st.backend else {}),
         }
 
     async def publish_once(self) -> bool:

@@ -39,6 +39,7 @@ from ..learner.update import (
     update,
 )
 from ..model import load_model
+from ..model.prompts import PromptFormat
 from ..tasks import get_task
 from .announcer import Announcer
 from .hardware import Hardware
@@ -83,7 +84,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, weight_decay=0.0)
         meta = load_state(state_dir / "state", self.model, self.optimizer)
         if meta is None:
-            if weights_hash(weights_bytes(self.model)) != s.initial_checkpoint:
+            if weights_hash(weights_bytes(self.model, s.learner.checkpoint_dtype)) != s.initial_checkpoint:
                 raise ValueError(
                     f"the weights of {s.model} here differ from the RunSpec's initial checkpoint; "
                     "the learner must start from the model the coordinator signed"
@@ -95,7 +96,9 @@ class Learner:
             log.info("resumed from my own state at step %d", self.step)
         self.ledger = AcceptedLog(state_dir / "accepted.sqlite")
         self.buffer = TrajectoryBuffer(s.learner.buffer_batches)
-        self.reward_check = RewardCheck(get_task(s.task, **s.task_params), self.tok)
+        self.reward_check = RewardCheck(
+            get_task(s.task, **s.task_params), self.tok, prompts=PromptFormat(self.tok, s.chat)
+        )
         self.store = ChunkStore(state_dir / "chunks", max_bytes=options.store_bytes)
         self.server = ChunkServer(self.store)
         self.receiver = TrajectoryReceiver(
@@ -155,8 +158,8 @@ class Learner:
         if raw is None or body is None:
             older = [v for v in self.store.versions() if v < self.step]
             parent = self.published_version if self.published_version >= 0 else max(older, default=-1)
-            data = weights_bytes(self.model)
-            body, chunks = manifest_body(s.run_id, self.step, parent, data, "float32")
+            data = weights_bytes(self.model, s.learner.checkpoint_dtype)
+            body, chunks = manifest_body(s.run_id, self.step, parent, data, s.learner.checkpoint_dtype)
             for h, c in zip(body["chunk_hashes"], chunks, strict=True):
                 self.store.put(h, c)
             raw = encode("CheckpointManifest", body, self.identity)
@@ -191,6 +194,9 @@ class Learner:
             max_new_tokens=s.max_new_tokens,
             pad_id=self.tok.pad_token_id,
             grad_clip=s.learner.grad_clip,
+            micro_batch_tokens=s.learner.micro_batch_tokens,
+            gradient_checkpointing=s.learner.gradient_checkpointing,
+            tis_cap=s.learner.tis_cap,
         )
         self.step += 1
         self.ledger.mark_applied([b.batch_id for b in batches], self.step)
@@ -206,6 +212,12 @@ class Learner:
             "batches": [b.batch_id.hex() for b in batches],
             "authors": sorted({b.author.hex()[:16] for b in batches}),
             "staleness_hist": dict(hist),
+            # which rollout engines made this update's batches ("vllm/bfloat16": 3, "hf/float32": 5)
+            "engines": dict(
+                collections.Counter(
+                    f"{b.body.get('engine', '?')}/{b.body.get('engine_dtype', '?')}" for b in batches
+                )
+            ),
             "wait_s": self.wait_s,  # cumulative, so any window's wait fraction can be read off
             "train_s": self.train_s,
             **{f"publish_{k}_s": v for k, v in self.publish_s.items()},
@@ -234,7 +246,18 @@ class Learner:
             "wait_frac": self.wait_s / max(1e-9, self.wait_s + self.train_s),
             **{f"stale:{b}": self.staleness.get(b, 0) for b in STALENESS_BUCKETS},
         }
-        for k in ("reward/mean", "is/ess", "is/var", "is/mean", "clip/frac", "kl/k3", "staleness/mean"):
+        for k in (
+            "reward/mean",
+            "is/ess",
+            "is/var",
+            "is/mean",
+            "clip/frac",
+            "kl/k3",
+            "staleness/mean",
+            "mismatch/abs_mean",
+            "mismatch/abs_max",
+            "mem/peak_mib",
+        ):
             if k in self.last:
                 stats[k] = self.last[k]
         for who, n in recv.strikes.most_common(MAX_SHOWN_STRIKES):

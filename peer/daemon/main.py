@@ -41,6 +41,21 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: a GPU if any")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument(
+        "--backend",
+        choices=("auto", "hf", "vllm"),
+        default="auto",
+        help="sampler: rollout engine. auto (default): vLLM where it is installed and serves the model on "
+        "this device, else transformers' generate (the reason is logged); hf; vllm (fails with the reason "
+        "if it cannot serve the model)",
+    )
+    ap.add_argument(
+        "--engine-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="sampler: the rollout engine's dtype. auto: bfloat16 on a GPU, float32 on a CPU (CPUs without "
+        "native bf16 are ~5x slower in it)",
+    )
     ap.add_argument("--join-timeout", type=float, default=120.0, help="seconds to wait for the RunSpec")
     ap.add_argument("--slowdown", type=float, default=1.0, help="sampler: run this many times slower (tests)")
     ap.add_argument("--max-batches", type=int, default=None, help="sampler: leave after this many batches")
@@ -102,9 +117,14 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
         if args.role == "sampler":
             from .sampler import Sampler, SamplerOptions
 
-            peer = (peer_class or Sampler)(
-                joined, identity, state_dir, hw, SamplerOptions(args.slowdown, max_batches=args.max_batches)
+            options = SamplerOptions(
+                args.slowdown,
+                max_batches=args.max_batches,
+                backend=args.backend,
+                engine_dtype=args.engine_dtype,
+                threads=args.threads or None,
             )
+            peer = (peer_class or Sampler)(joined, identity, state_dir, hw, options)
         else:
             from .learner import Learner, LearnerOptions
 

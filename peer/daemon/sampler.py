@@ -21,18 +21,21 @@ import torch
 
 from heterorl.coordinator.runconfig import RunSettings
 from heterorl.protocol import Identity, encode
+from heterorl.protocol.checkpoint import deserialize_state_dict
 from heterorl.protocol.chunks import ChunkServer, fetch_checkpoint, latest_manifest
 from heterorl.protocol.outbox import Outbox
 from heterorl.protocol.store import ChunkStore
 from heterorl.protocol.trajectories import TrajectorySender, new_batch_id
 
-from ..model import load_model
+from ..model.loader import load_config, load_tokenizer
+from ..model.prompts import PromptFormat
 from ..rollout import SamplingParams, make_backend
+from ..rollout.resilient import ResilientBackend, is_oom
 from ..tasks import get_task
 from .hardware import Hardware, rows_that_fit
 from .heartbeat import Heartbeat, Status
 from .join import Joined
-from .weights import load_weights, resolve_model, weights_hash
+from .weights import resolve_model, weights_hash
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +48,13 @@ class SamplerOptions:
     store_bytes: int = 2 << 30
     check_every_s: float = 0.5
     drain_s: float = 5.0  # on shutdown, how long to keep sending what is queued
+    backend: str = "auto"  # rollout engine: auto | hf | vllm
+    engine_dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
+    threads: int | None = None  # the engine's CPU threads (None: its default)
+    engine_restarts: int = 2  # a dead vLLM engine is restarted this often, then the sampler falls back to hf
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+MAX_PROMPT_TOKENS = 1024  # the engine's context: prompt + max_new_tokens, within the model's own limit
 
 
 class Sampler:
@@ -69,18 +75,40 @@ class Sampler:
         self.tokens = 0
         self.loaded: list[int] = []
         s = self.settings
-        self.model, self.tok = load_model(
-            resolve_model(s.model, state_dir / "models"), device=hardware.device
-        )
-        if self.model.config.vocab_size != s.vocab_size:
-            raise ValueError(
-                f"model {s.model} has vocab {self.model.config.vocab_size}, the run says {s.vocab_size}"
-            )
+        self.model_dir = resolve_model(s.model, state_dir / "models")
+        self.tok = load_tokenizer(self.model_dir)
+        config = load_config(self.model_dir)
+        if config.vocab_size != s.vocab_size:
+            raise ValueError(f"model {s.model} has vocab {config.vocab_size}, the run says {s.vocab_size}")
+        self.prompts = PromptFormat(self.tok, s.chat)
         self.task = get_task(s.task, **s.task_params)
-        self.backend = make_backend("hf", self.tok)
         self.sampling = SamplingParams(s.temperature, s.top_p, s.max_new_tokens)
         rows = s.sampler.prompts_per_batch * s.learner.group_size
-        self.gen_rows = min(rows, rows_that_fit(hardware, self.model.config, 64 + s.max_new_tokens))
+        self.gen_rows = min(rows, rows_that_fit(hardware, config, 64 + s.max_new_tokens))
+        self.engine_dtype = (
+            options.engine_dtype
+            if options.engine_dtype != "auto"
+            else "bfloat16"
+            if hardware.device == "cuda"
+            else "float32"
+        )
+        max_len = getattr(config, "max_position_embeddings", None) or MAX_PROMPT_TOKENS + s.max_new_tokens
+        self._engine = {
+            "device": hardware.device,
+            "dtype": self.engine_dtype,
+            "memory_bytes": hardware.memory_bytes,
+            "threads": options.threads,
+            "max_rows": rows,
+            "max_model_len": min(max_len, MAX_PROMPT_TOKENS + s.max_new_tokens),
+        }
+        self.backend = ResilientBackend(
+            lambda: make_backend(options.backend, self.model_dir, self.tok, **self._engine),
+            lambda: make_backend("hf", self.model_dir, self.tok, **self._engine),
+            self._held_weights,
+            restarts=options.engine_restarts,
+        )
+        self.status.backend = self.backend.describe()
+        log.info("rollouts: %s; prompts: %s", self.status.backend, self.prompts.describe())
         self.rng = random.Random(int.from_bytes(identity.public_key[:8], "big") ^ time.time_ns())
         self.outbox = Outbox(state_dir / "outbox.sqlite")
         self.store = ChunkStore(state_dir / "chunks", max_bytes=options.store_bytes)
@@ -124,7 +152,7 @@ class Sampler:
         try:
             if v == 0 and weights_hash(data) != s.initial_checkpoint:
                 raise ValueError("version 0 does not match the RunSpec's initial checkpoint hash")
-            load_weights(self.model, data)
+            self.backend.load_weights(deserialize_state_dict(data))
         except Exception as e:  # these signed bytes will never do: refuse this manifest for good
             self._refused.add(hashlib.sha256(raw).digest())
             held = "no checkpoint yet" if self.version is None else f"keeping version {self.version}"
@@ -177,21 +205,26 @@ class Sampler:
 
     # ---- rollouts ----
 
-    def _generate(self, prompts: list[str]):
+    def _generate(self, prompt_ids: list[list[int]]):
         while True:
             try:
-                parts = [
-                    self.backend.generate(self.model, prompts[i : i + self.gen_rows], self.sampling)
-                    for i in range(0, len(prompts), self.gen_rows)
+                return [
+                    self.backend.generate(prompt_ids[i : i + self.gen_rows], self.sampling)
+                    for i in range(0, len(prompt_ids), self.gen_rows)
                 ]
-                return parts
-            except (RuntimeError, torch.OutOfMemoryError) as e:
-                if not _is_oom(e) or self.gen_rows == 1:
+            except Exception as e:
+                if not is_oom(e) or self.gen_rows == 1:
                     raise
                 self.gen_rows = max(1, self.gen_rows // 2)
                 if self.hw.device == "cuda":
                     torch.cuda.empty_cache()
                 log.warning("out of memory: generating %d rows at a time from now on", self.gen_rows)
+            finally:
+                self.status.backend = self.backend.describe()  # it may have restarted or fallen back
+
+    def _held_weights(self):
+        """The weights of the version held, from the chunk store (for an engine that restarted)."""
+        return None if self.version is None else deserialize_state_dict(self.store.assemble(self.version))
 
     def make_batch(self) -> tuple[bytes, bytes, int]:
         """Generate one TrajectoryBatch with the current policy; returns (batch id, signed bytes, tokens)."""
@@ -199,9 +232,9 @@ class Sampler:
         g = s.learner.group_size
         examples = [self.task.sample(self.rng) for _ in range(s.sampler.prompts_per_batch)]
         prompts = [e.prompt for e in examples for _ in range(g)]
+        encoded = {p: self.prompts.encode(p) for p in dict.fromkeys(prompts)}  # a group repeats its prompt
         rows, tokens, i = [], 0, 0
-        self.model.eval()
-        for roll in self._generate(prompts):
+        for roll in self._generate([encoded[p] for p in prompts]):
             for j in range(len(roll.texts)):
                 n = int(roll.lengths[j])
                 reward = self.task.reward(prompts[i], roll.texts[j], examples[i // g].reference)
@@ -223,6 +256,8 @@ class Sampler:
             "policy_version": self.version,
             "timestamp": time.time(),
             "rows": rows,
+            "engine": self.backend.name,
+            "engine_dtype": self.backend.dtype,
         }
         return bid, encode("TrajectoryBatch", body, self.identity), tokens
 
@@ -264,6 +299,7 @@ class Sampler:
             queued = len(self.outbox)
             self.node.close()  # nothing may touch the outbox after this
             self.outbox.close()
+            self.backend.close()
             log.info("left: %d batches made, %d left queued for next time", self.batches, queued)
 
     def _loop(self, stop: threading.Event) -> None:

@@ -32,8 +32,17 @@ def resolve_model(name: str, cache_dir: Path) -> str:
     return str(path)
 
 
-def weights_bytes(model: torch.nn.Module) -> bytes:
-    return serialize_state_dict(model.state_dict())
+CHECKPOINT_DTYPES = ("float32", "bfloat16")
+
+
+def weights_bytes(model: torch.nn.Module, dtype: str = "float32") -> bytes:
+    """safetensors bytes of the model's state, floating tensors cast to ``dtype`` (what samplers run: the
+    learner trains a float32 master copy and publishes its rounding)."""
+    if dtype not in CHECKPOINT_DTYPES:
+        raise ValueError(f"checkpoint dtype must be one of {', '.join(CHECKPOINT_DTYPES)}, got {dtype!r}")
+    target = getattr(torch, dtype)
+    state = {k: v.to(target) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    return serialize_state_dict(state)
 
 
 def weights_hash(data: bytes) -> bytes:

@@ -1,6 +1,7 @@
 """The learner's own check of a sampler's batch: re-score every completion from its text.
 
-A sampler's reward is a claim. The learner decodes each row's prompt and completion with the run's tokenizer,
+A sampler's reward is a claim. The learner decodes each row's prompt (strictly: ids that
+``PromptFormat.encode`` would not make from some text are foreign) and completion with the run's tokenizer,
 recomputes the reference from the prompt (``Task.reference_for``) and the reward with the task's reward
 function, and refuses the batch if any claimed reward differs (a buggy or hostile sampler; the refusal is
 counted against its author by the receiver). The claimed rewards are kept only as a diagnostic.
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import collections
 
-from ..model.text import completion_text, prompt_text
+from ..model.prompts import PromptFormat
+from ..model.text import completion_text
 from ..tasks import Task
 
 REWARD_TOLERANCE = 1e-6
@@ -19,8 +21,11 @@ REWARD_TOLERANCE = 1e-6
 class RewardCheck:
     """``check(body, author) -> None | reason``; plugs into ``TrajectoryReceiver(admit=...)``."""
 
-    def __init__(self, task: Task, tokenizer, tolerance: float = REWARD_TOLERANCE):
+    def __init__(
+        self, task: Task, tokenizer, tolerance: float = REWARD_TOLERANCE, prompts: PromptFormat | None = None
+    ):
         self.task, self.tokenizer, self.tolerance = task, tokenizer, tolerance
+        self.prompts = prompts or PromptFormat(tokenizer, "off")
         self.rows_checked = 0
         self.rows_disagreeing = 0
         self.by_author: collections.Counter[bytes] = collections.Counter()
@@ -29,8 +34,8 @@ class RewardCheck:
         """The learner's reward for each row, or None where the prompt is not one of this task's."""
         out: list[float | None] = []
         for row in body["rows"]:
-            prompt = prompt_text(self.tokenizer, row["prompt_ids"])
-            reference = self.task.reference_for(prompt)
+            prompt = self.prompts.decode(row["prompt_ids"])
+            reference = None if prompt is None else self.task.reference_for(prompt)
             if reference is None:
                 out.append(None)
                 continue

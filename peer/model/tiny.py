@@ -43,7 +43,7 @@ def build_tokenizer(alphabet: str = ALPHABET):
     )
 
 
-def build_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4, max_len: int = 64):
+def build_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 2, max_len: int = 64):
     from transformers import LlamaConfig
 
     return LlamaConfig(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,7 +27,7 @@ class SamplingParams:
 @dataclass
 class Rollouts:
     """N completions: ids [N,T] (pad where mask is 0), mask [N,T] (incl. EOS), behaviour log-probs
-    [N,T] = log softmax(logits/temperature) of the sampled token (before top-p truncation), lengths [N]."""
+    [N,T] = log softmax(logits/temperature) of the sampled token, lengths [N]."""
 
     prompt_ids: list[list[int]]
     completion_ids: Tensor
@@ -37,4 +38,21 @@ class Rollouts:
 
 
 class RolloutBackend(Protocol):
-    def generate(self, model, prompts: list[str], params: SamplingParams) -> Rollouts: ...
+    """Generates completions of already-encoded prompts (``PromptFormat.encode``) with the weights it holds.
+
+    ``name`` ("hf", "vllm") and ``dtype`` ("float32", "bfloat16") travel with each batch, so the learner knows
+    which engine made the behaviour log-probs. ``load_weights`` takes a full state dict in the model's own
+    (Hugging Face) names between batches; a state dict that does not fit the model raises ValueError and
+    leaves the held weights as they were.
+    """
+
+    name: str
+    dtype: str
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Rollouts: ...
+
+    def load_weights(self, state: Mapping[str, Tensor]) -> None: ...
+
+    def describe(self) -> str: ...
+
+    def close(self) -> None: ...

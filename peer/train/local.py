@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 
 from .. import objectives
-from ..model import completion_logprobs, load_model
+from ..learner.update import Rows, update
+from ..model import load_model
+from ..model.prompts import CHAT_MODES, PromptFormat
 from ..rollout import SamplingParams, make_backend
 from ..tasks import get_task
 from .policy_lag import PolicyLag
@@ -34,13 +36,18 @@ class LocalConfig:
     prompts_per_step: int = 16
     group_size: int = 8
     delay: int = 0
-    lr: float = 1e-3
+    lr: float = 5e-4
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 6
     grad_clip: float = 1.0
     seed: int = 0
     backend: str = "hf"
+    engine_dtype: str = "float32"
+    chat: str = "auto"
+    tis_cap: float | None = None  # truncated IS against the engine/learner mismatch (Yao et al. 2025)
+    micro_batch_tokens: int | None = None
+    gradient_checkpointing: bool = False
     objective_params: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -50,6 +57,10 @@ class LocalConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.delay < 0:
             raise ValueError(f"delay must be >= 0, got {self.delay}")
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"backend must be hf or vllm, got {self.backend!r}")
+        if self.chat not in CHAT_MODES:
+            raise ValueError(f"chat must be one of {', '.join(CHAT_MODES)}, got {self.chat!r}")
 
 
 def run_local(cfg: LocalConfig, out: str | Path, progress: bool = True) -> dict:
@@ -61,79 +72,89 @@ def run_local(cfg: LocalConfig, out: str | Path, progress: bool = True) -> dict:
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     policy, tok = load_model(cfg.model)
-    behaviour = copy.deepcopy(policy)
+    prompts_fmt = PromptFormat(tok, cfg.chat)
+    behaviour = copy.deepcopy(policy) if cfg.delay and cfg.backend == "hf" else policy
     lag = PolicyLag(policy, behaviour, cfg.delay)
     task = get_task(cfg.task, **cfg.task_params)
-    backend = make_backend(cfg.backend, tok)
+    rows_per_step = cfg.prompts_per_step * cfg.group_size
+    threads = torch.get_num_threads()
+    backend = make_backend(
+        cfg.backend, cfg.model, tok, dtype=cfg.engine_dtype, model=behaviour, threads=threads,
+        max_rows=rows_per_step, seed=cfg.seed,
+    )
+    log.info("rollouts: %s; prompts: %s", backend.describe(), prompts_fmt.describe())
+    engine_version = 0 if cfg.backend == "hf" or cfg.engine_dtype == "float32" else -1
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
-    adv_name = cfg.advantage or objectives.default_advantage(cfg.objective)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-    params = {"max_len": cfg.max_new_tokens, **cfg.objective_params}
 
     reward_curve: list[float] = []
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc=f"{cfg.objective} delay={cfg.delay}", disable=not progress)
     with (out / "metrics.jsonl").open("w") as metrics:
         for step in bar:
-            model_b, version = lag.behaviour()
+            if backend.name == "hf":
+                backend.model, version = lag.behaviour()
+            else:  # the engine holds its own weights: reload them when the behaviour version moves on
+                state, version = lag.behaviour_state()
+                if version != engine_version:
+                    backend.load_weights(state)
+                    engine_version = version
             examples = [task.sample(rng) for _ in range(cfg.prompts_per_step)]
-            prompts = [e.prompt for e in examples for _ in range(cfg.group_size)]
-            refs = [e.reference for e in examples for _ in range(cfg.group_size)]
-            model_b.eval()
-            roll = backend.generate(model_b, prompts, sampling)
+            encoded = [prompts_fmt.encode(e.prompt) for e in examples]
+            roll = backend.generate([ids for ids in encoded for _ in range(cfg.group_size)], sampling)
             rewards = torch.tensor(
-                [task.reward(p, c, r) for p, c, r in zip(prompts, roll.texts, refs, strict=True)]
+                [
+                    task.reward(e.prompt, roll.texts[i], e.reference)
+                    for i, e in enumerate(e for e in examples for _ in range(cfg.group_size))
+                ]
             )
-            group_ids = torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.group_size)
-            adv = objectives.advantages(adv_name, rewards, group_ids)
-            staleness = torch.full((len(prompts),), float(lag.version - version))
-
-            policy.train()
-            logp = completion_logprobs(
+            rows = Rows(
+                prompts=roll.prompt_ids,
+                completions=roll.completion_ids,
+                mask=roll.completion_mask,
+                logq=roll.logprobs,
+                rewards=rewards,
+                group_ids=torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.group_size),
+                versions=torch.full((rows_per_step,), version),
+            )
+            stats = update(
                 policy,
-                roll.prompt_ids,
-                roll.completion_ids,
-                roll.completion_mask,
-                tok.pad_token_id,
-                cfg.temperature,
+                opt,
+                rows,
+                version=lag.version,
+                objective=cfg.objective,
+                advantage=cfg.advantage,
+                objective_params=cfg.objective_params,
+                temperature=cfg.temperature,
+                max_new_tokens=cfg.max_new_tokens,
+                pad_id=tok.pad_token_id,
+                grad_clip=cfg.grad_clip,
+                tis_cap=cfg.tis_cap,
+                micro_batch_tokens=cfg.micro_batch_tokens,
+                gradient_checkpointing=cfg.gradient_checkpointing,
             )
-            loss, stats = objectives.compute(
-                cfg.objective,
-                logp,
-                roll.logprobs,
-                roll.completion_mask,
-                adv,
-                group_ids,
-                staleness=staleness,
-                **params,
-            )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip))
-            opt.step()
             lag.step()
 
-            mean_r = float(rewards.mean())
+            mean_r = stats["reward/mean"]
             reward_curve.append(mean_r)
             row = {
                 "step": step,
-                "reward/mean": mean_r,
                 "behaviour_version": version,
-                "staleness": lag.version - 1 - version,
-                "grad_norm": grad_norm,
                 "completion_len/mean": float(roll.lengths.float().mean()),
                 "time_s": time.perf_counter() - t0,
                 **stats,
+                "staleness": lag.version - 1 - version,
             }
             metrics.write(json.dumps(row) + "\n")
             bar.set_postfix(reward=f"{mean_r:.2f}", stale=row["staleness"], ess=f"{stats['is/ess']:.2f}")
+    backend.close()
 
     policy.save_pretrained(out / "checkpoint", safe_serialization=True)
     tok.save_pretrained(out / "checkpoint")
     k = min(20, len(reward_curve))
     summary = {
         "objective": cfg.objective,
-        "advantage": adv_name,
+        "advantage": cfg.advantage or objectives.default_advantage(cfg.objective),
         "delay": cfg.delay,
         "steps": cfg.steps,
         "seed": cfg.seed,

@@ -24,6 +24,8 @@ class PolicyLag:
         self._push()
 
     def _push(self) -> None:
+        if self.delay == 0:  # the policy itself is the behaviour: nothing to keep
+            return
         state = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
         self._snapshots.append((self.version, state))
 
@@ -31,6 +33,13 @@ class PolicyLag:
         """Record that the policy was updated (a new version exists)."""
         self.version += 1
         self._push()
+
+    def behaviour_state(self) -> tuple[dict, int]:
+        """The oldest kept version's weights (the policy's own tensors when there is no delay), its number."""
+        if self.delay == 0:
+            return self.policy.state_dict(), self.version
+        version, state = self._snapshots[0]
+        return state, version
 
     def behaviour(self) -> tuple[torch.nn.Module, int]:
         """The model holding the oldest kept version, and that version number."""
