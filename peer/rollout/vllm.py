@@ -35,6 +35,14 @@ CPU_KV_CACHE_MAX = 2 << 30
 GPU_MEMORY_SHARE = 0.5  # of free GPU memory: the engine is not alone on a volunteer's GPU
 
 
+class _RotaryReloadNoise(logging.Filter):
+    """Every reload warns that rotary embeddings "failed to load": they hold no weights (their cos/sin
+    cache is computed, and vLLM restores it), so the line says nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
 class BackendUnavailable(RuntimeError):
     """vLLM cannot serve this model here; the message says why (``--backend auto`` falls back to hf)."""
 
@@ -158,6 +166,7 @@ class VLLMBackend:
         # in this process (weights are passed as tensors); our thread count, no core pinning: a volunteer's
         # machine runs other things, and several peers may share one host
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not three INFO lines per weight switch
         if self.device == "cpu":
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             if self._threads:
@@ -166,6 +175,7 @@ class VLLMBackend:
             from vllm import LLM
         except ImportError as e:
             raise BackendUnavailable(f"vLLM does not import ({e}); {INSTALL_HINT}") from None
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadNoise())
         t = time.perf_counter()
         try:
             self.llm = LLM(**{k: v for k, v in self._engine_args.items() if v is not None})
