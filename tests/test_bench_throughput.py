@@ -1,4 +1,5 @@
-"""`heterorl bench throughput`: its rate helpers, and a small real run of every in-process part."""
+"""`heterorl bench throughput`: its rate helpers, a small real run of every in-process part, and the parts on
+vLLM's engine (our vllm backend's rollouts, the weight switch) on the tiny model."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from heterorl.bench.throughput import _real_lengths, steady_rate, swarm_window
+from heterorl.bench.throughput import add_arguments, report, resolve_defaults, steady_rate, swarm_window
+from heterorl.bench.throughput_micro import real_lengths
 
 
 def test_steady_rate_leaves_out_the_warmup():
@@ -36,7 +38,46 @@ def test_swarm_window_reads_wait_and_train_time():
 def test_real_lengths_count_up_to_the_first_eos():
     eos = 2
     c = torch.tensor([[5, 6, 2, 7, 2], [5, 5, 5, 5, 5], [2, 9, 9, 9, 9]])
-    assert _real_lengths(c, eos).tolist() == [3, 5, 1]
+    assert real_lengths(c, eos).tolist() == [3, 5, 1]
+
+
+def test_a_real_model_gets_its_own_defaults_and_set_flags_win():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    tiny, real = ap.parse_args([]), ap.parse_args(["--steps", "9", "--parts", "rl"])
+    resolve_defaults(tiny, real=False)
+    resolve_defaults(real, real=True)
+    assert tiny.parts == ["rollout", "switch", "learner", "rl", "swarm"] and tiny.steps == 40
+    assert real.parts == ["rl"] and real.steps == 9 and real.max_new_tokens == 32 and real.repeats == 3
+    assert "--micro-batch-tokens" in ap.format_help() and "--no-vllm" in ap.format_help()
+
+
+def test_report_marks_sides_not_measured():
+    import argparse
+
+    args = argparse.Namespace(prompts=2, group_size=2, max_new_tokens=4, samplers=[])
+    rates = {f"{s}_tokens_per_s": 10.0 for s in ("hf_backend", "plain_generate", "trl_generate")}
+    lengths = {f"{s}_mean_length": 3.0 for s in ("hf_backend", "plain_generate", "trl_generate")}
+    res = {
+        "model": "m",
+        "parameters": 1,
+        "prompts": "plain (BOS + text)",
+        "threads": 1,
+        "rollout": {
+            **rates,
+            **lengths,
+            "ratio_hf_vs_plain": 1.0,
+            "ratio_hf_vs_trl": 1.0,
+            "vllm_skipped": "why",
+        },
+        "switch": {"skipped": "why"},
+        "rl": {"ours_grpo_steps_per_s": 2.0, "trl_grpo_steps_per_s": 1.0, "ratio_ours_grpo_vs_trl": 2.0},
+    }
+    text = report(res, args)
+    assert "vllm backend: not measured (why)" in text and "weight switch: not measured (why)" in text
+    assert "—" in text and "2.00×" in text
 
 
 def test_in_process_parts_run_and_report_ratios(tmp_path, tiny_model_dir):
@@ -54,7 +95,7 @@ def test_in_process_parts_run_and_report_ratios(tmp_path, tiny_model_dir):
         "--warmup",
         "1",
     ]
-    cmd += ["--repeats", "2", "--out", str(out), "--profile"]
+    cmd += ["--repeats", "2", "--out", str(out), "--profile", "--no-vllm", "--threads", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
@@ -62,8 +103,31 @@ def test_in_process_parts_run_and_report_ratios(tmp_path, tiny_model_dir):
         ("rl", "ratio_ours_grpo_vs_trl"),
         ("rl", "ratio_ours_gepo_vs_trl"),
         ("rollout", "ratio_hf_vs_plain"),
+        ("rollout", "ratio_hf_vs_trl"),
         ("learner", "ratio_learner_vs_plain_ce"),
     ):
         assert res[part][key] > 0, (part, key, res[part])
     assert res["rl"]["trl_mean_length"] > 0 and res["rl"]["ours_grpo_mean_length"] > 0
+    for side in ("hf_backend", "plain_generate", "trl_generate"):  # the same prompts, comparable lengths
+        assert 1 <= res["rollout"][f"{side}_mean_length"] <= 6, res["rollout"]
+    assert res["rollout"]["vllm_skipped"] == "--no-vllm" and "ours_grpo_vllm_steps_per_s" not in res["rl"]
     assert "ratio vs TRL" in done.stdout and "profile: learner update" in done.stdout
+
+
+def test_vllm_sides_run_in_a_child_and_report_rates_and_switch_times(tmp_path, tiny_model_dir):
+    """Our vllm backend's rollouts and the weight switch (load_weights into the running engine vs a restart),
+    each measured in a child process beside the in-process sides, with tiny budgets."""
+    out = tmp_path / "tp"
+    cmd = [sys.executable, "-m", "heterorl.cli", "bench", "throughput", "--parts", "rollout", "switch"]
+    cmd += ["--model", str(tiny_model_dir), "--prompts", "2", "--group-size", "2", "--repeats", "1"]
+    cmd += ["--threads", "1", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    r, s = res["rollout"], res["switch"]
+    assert r["vllm_backend_tokens_per_s"] > 0 and 1 <= r["vllm_backend_mean_length"] <= 6, r
+    for ratio in ("ratio_vllm_vs_hf", "ratio_vllm_vs_plain", "ratio_vllm_vs_trl"):
+        assert r[ratio] > 0, (ratio, r)
+    assert s["load_weights_s"] > 0 and s["restart_s"] > 0 and s["ratio_restart_vs_load_weights"] > 0, s
+    assert s["engine_start_s"] > 0 and s["weight_bytes"] > 0 and s["generates_after_switch"], s
+    assert "vllm backend vs hf backend" in done.stdout and "weight switch" in done.stdout

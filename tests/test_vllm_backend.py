@@ -62,6 +62,12 @@ def test_a_dead_vllm_engine_is_restarted_with_the_weights_held(vllm_checks):
     assert after["max_abs_diff"] < 1e-4
 
 
+def test_a_vllm_engine_that_keeps_dying_is_replaced_by_hf_with_the_weights_held(vllm_checks):
+    after = vllm_checks["after_second_death"]
+    assert after["backend"] == "hf" and after["fell_back"]
+    assert after["max_abs_diff"] < 1e-4
+
+
 @pytest.fixture(scope="module")
 def head_dim_16_model(tmp_path_factory):
     """A model vLLM's CPU attention cannot serve (head_dim 16)."""

@@ -1,41 +1,79 @@
 """``heterorl bench throughput``: our speed against the tools people use today, side by side in one run.
 
-On one model, task, prompts per step, group size and completion length it measures, and prints as ratios:
+On one model, task, prompt format (the chat template for instruct models), prompts per step, group size and
+completion length it measures, and prints as ratios:
 
-- ``rl``: RL steps per second of ``heterorl train --local`` (GRPO and GEPO) against TRL's ``GRPOTrainer``;
-- ``rollout``: tokens per second of the ``hf`` rollout backend against a plain ``model.generate`` loop;
+- ``rollout``: tokens per second of our ``vllm`` and ``hf`` rollout backends against a plain
+  ``model.generate`` loop and TRL's generation path (what ``GRPOTrainer`` generates with when it has no vLLM),
+  over real completion tokens (up to EOS), with each side's mean completion length;
+- ``switch``: seconds to put new weights into the running vLLM engine (``load_weights``, which also resets
+  the prefix cache) against restarting the engine;
 - ``learner``: completion tokens per second of one learner update (log-prob recompute, objective, backward,
-  AdamW) against a plain PyTorch cross-entropy step on the same tokens;
+  AdamW) against a plain PyTorch cross-entropy step on the same tokens, both in ``--micro-batch-tokens``
+  micro-batches;
+- ``rl``: RL steps per second of ``heterorl train --local`` (GRPO and GEPO with the hf backend, GRPO with
+  vllm) against TRL's ``GRPOTrainer``;
 - ``swarm``: trajectories per second the learner of ``heterorl local`` consumes with 1 and 2 samplers,
   against the single-process loop, and the fraction of learner time spent waiting for data.
 
-Rates are taken over a steady window (the first ``--warmup`` steps are dropped); micro-benchmarks alternate
-the two sides ``--repeats`` times and report medians. ``--profile`` adds the top functions (cProfile,
-cumulative time) of our rollout and learner step. Figures go to stdout and to ``--json``.
+Everything on vLLM's engine runs in a child process (:mod:`heterorl.bench.throughput_micro`): the engine pins
+torch's threads process-wide. Rates are taken over a steady window (the first ``--warmup`` steps are
+dropped); micro-benchmarks alternate the sides ``--repeats`` times and report medians. A real model
+(``--model`` with 10M parameters or more) gets its own defaults: fewer and longer rollouts, fewer steps and
+repeats, no swarm. ``--profile`` adds the top functions (cProfile, cumulative time) of our hf rollout and
+learner step. Figures go to stdout and to ``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import cProfile
-import io
 import json
 import logging
-import pstats
-import random
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-PARTS = ("rl", "rollout", "learner", "swarm")
+PARTS = ("rollout", "switch", "learner", "rl", "swarm")
+REAL_MODEL_PARAMETERS = 10_000_000
+# flag defaults: (the tiny model, a real one); a real model is slow on CPUs (SmolLM2-135M, 2 cores:
+# ~80 s per forward+backward of 32 × 128 tokens)
+DEFAULTS = {
+    "parts": (list(PARTS), ["rollout", "switch", "learner", "rl"]),
+    "prompts": (16, 4),
+    "group_size": (8, 4),
+    "max_new_tokens": (6, 32),
+    "steps": (40, 6),
+    "warmup": (5, 1),
+    "repeats": (7, 3),
+}
+
+
+def _default(name: str) -> str:
+    tiny, real = DEFAULTS[name]
+    show = (lambda v: " ".join(v)) if name == "parts" else str
+    return f"default: {show(tiny)}; with a real model {show(real)}"
+
+
+def resolve_defaults(args: argparse.Namespace, real: bool) -> None:
+    """Fill the flags left unset with the tiny model's defaults or a real model's (``DEFAULTS``)."""
+    for name, (tiny_default, real_default) in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, copy.copy(real_default if real else tiny_default))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to measure")
-    ap.add_argument("--model", default=None, help="model path or hub id (default: the tiny model)")
+    ap.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=None, help=f"what to measure ({_default('parts')})"
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help=f"model directory or hub id (default: the tiny model); {REAL_MODEL_PARAMETERS // 10**6}M "
+        "parameters or more is a real model, with its own defaults",
+    )
     ap.add_argument(
         "--hidden",
         type=int,
@@ -43,15 +81,52 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="instead of --model, build a tiny-architecture model this wide (e.g. 256): compute-bound rates",
     )
     ap.add_argument("--layers", type=int, default=2, help="layers of the model built by --hidden")
-    ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=40, help="RL steps per side in the rl part")
-    ap.add_argument("--warmup", type=int, default=5, help="steps left out of every rate")
-    ap.add_argument("--repeats", type=int, default=7, help="alternations per side in rollout/learner")
+    ap.add_argument("--prompts", type=int, default=None, help=f"prompts per step ({_default('prompts')})")
+    ap.add_argument(
+        "--group-size", type=int, default=None, help=f"completions per prompt ({_default('group_size')})"
+    )
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"completion length limit ({_default('max_new_tokens')})",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=None, help=f"RL steps per side in the rl part ({_default('steps')})"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=None, help=f"steps left out of every rate ({_default('warmup')})"
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"alternations per side in rollout/learner, engine restarts in switch ({_default('repeats')})",
+    )
+    ap.add_argument(
+        "--chat",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="prompts in the tokenizer's chat template for every side (auto: when it has one)",
+    )
+    ap.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="token budget of one learner forward (rows × padded prompt+completion width) in the learner "
+        "part and our rl loop (default: all rows at once); TRL takes the batch whole",
+    )
+    ap.add_argument(
+        "--no-vllm",
+        action="store_true",
+        help="leave out every side on vLLM's engine (the vllm backend in rollout and rl; the switch part)",
+    )
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads of every side (default: torch's own)"
+    )
     ap.add_argument("--swarm-steps", type=int, default=60, help="learner updates per swarm run")
     ap.add_argument("--samplers", type=int, nargs="+", default=[1, 2], help="swarm sizes to run")
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=3e-4, help="learning rate of every learner")
     ap.add_argument("--profile", action="store_true", help="print cProfile tops of our rollout and learner")
     ap.add_argument("--out", default="runs/bench-throughput", help="working directory")
     ap.add_argument("--json", default=None, help="also write the figures here (default: OUT/results.json)")
@@ -64,38 +139,45 @@ def steady_rate(ends: list[float], warmup: int, per_step: float = 1.0) -> float:
     return per_step * (len(ends) - 1 - warmup) / (ends[-1] - ends[warmup])
 
 
-# ---- the parts ----
+def local_config(args, model: str, objective: str, backend: str = "hf") -> dict:
+    """The ``LocalConfig`` fields of ``heterorl train --local`` on the benchmark's configuration."""
+    return {
+        "model": model,
+        "objective": objective,
+        "steps": args.steps,
+        "prompts_per_step": args.prompts,
+        "group_size": args.group_size,
+        "max_new_tokens": args.max_new_tokens,
+        "lr": args.lr,
+        "seed": 0,
+        "backend": backend,
+        "chat": args.chat,
+        "micro_batch_tokens": args.micro_batch_tokens,
+    }
 
 
-def _ours(args, model: str, objective: str, out: Path) -> tuple[float, float]:
-    """``heterorl train --local`` on the benchmark's configuration: (steady steps/s, mean length)."""
+def ours_local(local: dict, out: Path, warmup: int) -> tuple[float, float]:
+    """``heterorl train --local`` with ``local`` (LocalConfig fields): (steady steps/s, mean length)."""
     from heterorl.peer.train import LocalConfig, run_local
 
-    cfg = LocalConfig(
-        model=model,
-        objective=objective,
-        steps=args.steps,
-        prompts_per_step=args.prompts,
-        group_size=args.group_size,
-        max_new_tokens=args.max_new_tokens,
-        lr=args.lr,
-        seed=0,
-    )
-    d = out / f"ours-{objective}"
     t0 = time.perf_counter()
-    run_local(cfg, d, progress=False)
-    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-    rate = steady_rate([t0 + r["time_s"] for r in rows], args.warmup)
+    run_local(LocalConfig(**local), out, progress=False)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rate = steady_rate([t0 + r["time_s"] for r in rows], warmup)
     return rate, statistics.fmean(r["completion_len/mean"] for r in rows)
 
 
+# ---- the parts ----
+
+
 def _rl(args, model: str, out: Path) -> dict:
+    from .throughput_micro import run_vllm_child
     from .trl_grpo import run_trl_grpo
 
-    res = {}
+    res: dict = {}
     for objective in ("grpo", "gepo"):
-        res[f"ours_{objective}_steps_per_s"], res[f"ours_{objective}_mean_length"] = _ours(
-            args, model, objective, out
+        res[f"ours_{objective}_steps_per_s"], res[f"ours_{objective}_mean_length"] = ours_local(
+            local_config(args, model, objective), out / f"ours-{objective}", args.warmup
         )
     trl = run_trl_grpo(
         model,
@@ -108,165 +190,30 @@ def _rl(args, model: str, out: Path) -> dict:
         lr=args.lr,
         seed=0,
         out=out / "trl",
+        chat=args.chat,
     )
     res["trl_grpo_steps_per_s"] = steady_rate(trl["step_end_s"], args.warmup)
     res["trl_mean_length"] = trl["mean_length"]
-    res["ratio_ours_grpo_vs_trl"] = res["ours_grpo_steps_per_s"] / res["trl_grpo_steps_per_s"]
-    res["ratio_ours_gepo_vs_trl"] = res["ours_gepo_steps_per_s"] / res["trl_grpo_steps_per_s"]
+    if args.no_vllm:
+        res["vllm_skipped"] = "--no-vllm"
+    else:
+        d = out / "ours-grpo-vllm"
+        local = local_config(args, model, "grpo", "vllm")
+        spec = {
+            "model": model,
+            "threads": args.threads,
+            "rl": {"local": local, "out": str(d), "warmup": args.warmup},
+        }
+        child = run_vllm_child(spec, d)
+        if "unavailable" in child:
+            res["vllm_skipped"] = child["unavailable"]
+        else:
+            res["ours_grpo_vllm_steps_per_s"] = child["rl"]["steps_per_s"]
+            res["ours_grpo_vllm_mean_length"] = child["rl"]["mean_length"]
+    for side in ("grpo", "gepo", "grpo_vllm"):
+        if f"ours_{side}_steps_per_s" in res:
+            res[f"ratio_ours_{side}_vs_trl"] = res[f"ours_{side}_steps_per_s"] / res["trl_grpo_steps_per_s"]
     return res
-
-
-def _prompts(args) -> list[str]:
-    from heterorl.peer.tasks import get_task
-
-    task, rng = get_task("arithmetic", digits=1), random.Random(0)
-    return [e.prompt for e in (task.sample(rng) for _ in range(args.prompts)) for _ in range(args.group_size)]
-
-
-def _real_lengths(completions, eos_id: int):
-    """Tokens up to and including the first EOS, per row (the rule the hf backend uses)."""
-    is_eos = completions == eos_id
-    after = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
-    return (~after).long().sum(-1)
-
-
-def _alternate(fns: dict, repeats: int, profile: str | None = None) -> tuple[dict, str]:
-    """Call each fn ``repeats`` times, interleaved; median seconds per call and, optionally, a profile."""
-    import torch
-
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    units: dict[str, list[float]] = {k: [] for k in fns}
-    prof = cProfile.Profile() if profile else None
-    for rep in range(repeats + 1):
-        for name, fn in fns.items():
-            torch.manual_seed(rep)
-            if prof and name == profile and rep > 0:
-                prof.enable()
-            t = time.perf_counter()
-            n = fn()
-            dt = time.perf_counter() - t
-            if prof and name == profile and rep > 0:
-                prof.disable()
-            if rep > 0:  # the first round warms caches up
-                times[name].append(dt)
-                units[name].append(n)
-    med = {k: statistics.median(u / t for u, t in zip(units[k], times[k], strict=True)) for k in fns}
-    text = ""
-    if prof:
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(18)
-        text = buf.getvalue()
-    return med, text
-
-
-def _rollout(args, model_path: str) -> tuple[dict, str]:
-    import torch
-
-    from heterorl.peer.model import load_model
-    from heterorl.peer.model.logprobs import left_pad
-    from heterorl.peer.rollout import SamplingParams, make_backend
-
-    model, tok = load_model(model_path)
-    prompts = _prompts(args)
-    backend = make_backend("hf", tok)
-    sampling = SamplingParams(1.0, 1.0, args.max_new_tokens)
-
-    def ours() -> float:
-        return float(backend.generate(model, prompts, sampling).lengths.sum())
-
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-
-    @torch.no_grad()
-    def plain() -> float:
-        ids, attn, width = left_pad(
-            [bos + tok.encode(p, add_special_tokens=False) for p in prompts], tok.pad_token_id
-        )
-        seq = model.generate(
-            input_ids=ids,
-            attention_mask=attn,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            max_new_tokens=args.max_new_tokens,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-        return float(_real_lengths(seq[:, width:], tok.eos_token_id).sum())
-
-    med, prof = _alternate({"ours": ours, "plain": plain}, args.repeats, "ours" if args.profile else None)
-    return {
-        "hf_backend_tokens_per_s": med["ours"],
-        "plain_generate_tokens_per_s": med["plain"],
-        "ratio_hf_vs_plain": med["ours"] / med["plain"],
-    }, prof
-
-
-def _learner(args, model_path: str) -> tuple[dict, str]:
-    import torch
-
-    from heterorl.peer.learner.update import Rows, update
-    from heterorl.peer.model import load_model
-    from heterorl.peer.model.logprobs import pack
-    from heterorl.peer.rollout import SamplingParams, make_backend
-
-    model, tok = load_model(model_path)
-    torch.manual_seed(0)
-    roll = make_backend("hf", tok).generate(
-        model, _prompts(args), SamplingParams(1.0, 1.0, args.max_new_tokens)
-    )
-    n = len(roll.prompt_ids)
-    rows = Rows(
-        prompts=roll.prompt_ids,
-        completions=roll.completion_ids,
-        mask=roll.completion_mask,
-        logq=roll.logprobs,
-        rewards=torch.rand(n),
-        group_ids=torch.arange(args.prompts).repeat_interleave(args.group_size),
-        versions=torch.zeros(n, dtype=torch.long),
-    )
-    tokens = float(roll.completion_mask.sum())
-    ours_model, plain_model = model, copy.deepcopy(model)
-    ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=args.lr, weight_decay=0.0)
-    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=args.lr, weight_decay=0.0)
-    ids, attn, pos, width = pack(rows.prompts, rows.completions, rows.mask, tok.pad_token_id)
-    labels = torch.where(rows.mask > 0, rows.completions, torch.full_like(rows.completions, -100))
-
-    def ours() -> float:
-        update(
-            ours_model,
-            ours_opt,
-            rows,
-            version=0,
-            objective="gepo",
-            advantage=None,
-            objective_params={},
-            temperature=1.0,
-            max_new_tokens=args.max_new_tokens,
-            pad_id=tok.pad_token_id,
-            grad_clip=1.0,
-        )
-        return tokens
-
-    def plain() -> float:
-        plain_model.train()
-        logits = plain_model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-        step_logits = logits[:, width - 1 : width - 1 + labels.shape[1]]
-        loss = torch.nn.functional.cross_entropy(
-            step_logits.reshape(-1, step_logits.shape[-1]), labels.reshape(-1)
-        )
-        plain_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 1.0)
-        plain_opt.step()
-        return tokens
-
-    med, prof = _alternate({"ours": ours, "plain": plain}, args.repeats, "ours" if args.profile else None)
-    return {
-        "learner_tokens_per_s": med["ours"],
-        "plain_ce_tokens_per_s": med["plain"],
-        "ratio_learner_vs_plain_ce": med["ours"] / med["plain"],
-        "completion_tokens_per_update": tokens,
-    }, prof
 
 
 def swarm_window(metrics: list[dict], warmup: int) -> dict:
@@ -295,7 +242,7 @@ def swarm_window(metrics: list[dict], warmup: int) -> dict:
 def _swarm(args, model: str, out: Path, single_steps_per_s: float | None) -> dict:
     res: dict = {}
     if single_steps_per_s is None:  # the single-process loop on the same configuration, for the ratio
-        single_steps_per_s, _ = _ours(args, model, "gepo", out)
+        single_steps_per_s, _ = ours_local(local_config(args, model, "gepo"), out / "ours-gepo", args.warmup)
     res["single_process_trajectories_per_s"] = single_steps_per_s * args.prompts * args.group_size
     for k in args.samplers:
         d = out / f"swarm-{k}"
@@ -344,42 +291,74 @@ def _swarm(args, model: str, out: Path, single_steps_per_s: float | None) -> dic
 # ---- report ----
 
 
+def _cells(r: dict, keys: tuple[str | None, ...], fmt: str, width: int) -> str:
+    return "".join((fmt.format(r[k]) if k is not None and k in r else "—").rjust(width) for k in keys)
+
+
 def report(res: dict, args) -> str:
     lines = [
         f"throughput: {args.prompts} prompts × {args.group_size} completions, "
-        f"≤ {args.max_new_tokens} new tokens, model {res['model']} ({res['parameters']:,} parameters), "
-        f"{res['threads']} torch threads"
+        f"≤ {args.max_new_tokens} new tokens, temperature 1; model {res['model']} "
+        f"({res['parameters']:,} parameters); prompts: {res['prompts']}; {res['threads']} torch threads"
     ]
-    if "rl" in res:
-        r = res["rl"]
-
-        def cells(*keys: str, fmt: str = "{:10.2f}") -> str:
-            return " ".join(fmt.format(r[k]) for k in keys)
-
-        lines += [
-            "",
-            "                            ours-grpo  ours-gepo  TRL GRPOTrainer",
-            "RL steps/s (steady)        "
-            + cells("ours_grpo_steps_per_s", "ours_gepo_steps_per_s", "trl_grpo_steps_per_s"),
-            "mean completion length     "
-            + cells("ours_grpo_mean_length", "ours_gepo_mean_length", "trl_mean_length"),
-            "ratio vs TRL               "
-            + cells("ratio_ours_grpo_vs_trl", "ratio_ours_gepo_vs_trl", fmt="{:9.2f}×"),
-        ]
     if "rollout" in res:
-        r = res["rollout"]
+        r, w = res["rollout"], 15
+        sides = ("vllm_backend", "hf_backend", "plain_generate", "trl_generate")
         lines += [
             "",
-            f"rollout tokens/s: hf backend {r['hf_backend_tokens_per_s']:.0f}, plain model.generate "
-            f"{r['plain_generate_tokens_per_s']:.0f}  -> {r['ratio_hf_vs_plain']:.2f}×",
+            "rollout (real completion tokens)".ljust(32)
+            + "".join(h.rjust(w) for h in ("vllm backend", "hf backend", "model.generate", "TRL generate")),
+            "tokens/s".ljust(32) + _cells(r, tuple(f"{s}_tokens_per_s" for s in sides), "{:.1f}", w),
+            "mean completion length".ljust(32)
+            + _cells(r, tuple(f"{s}_mean_length" for s in sides), "{:.1f}", w),
+            "ratio vs TRL generate".ljust(32)
+            + _cells(r, ("ratio_vllm_vs_trl", "ratio_hf_vs_trl", None, None), "{:.2f}×", w),
+            "ratio vs model.generate".ljust(32)
+            + _cells(r, ("ratio_vllm_vs_plain", "ratio_hf_vs_plain", None, None), "{:.2f}×", w),
         ]
+        if "ratio_vllm_vs_hf" in r:
+            lines.append(f"vllm backend vs hf backend: {r['ratio_vllm_vs_hf']:.2f}× ({r['vllm_describe']})")
+        else:
+            lines.append(f"vllm backend: not measured ({r.get('vllm_skipped')})")
+    if "switch" in res:
+        s = res["switch"]
+        if "skipped" in s:
+            lines += ["", f"weight switch: not measured ({s['skipped']})"]
+        else:
+            lines += [
+                "",
+                f"weight switch in the running vLLM engine (median of {len(s['restart_all_s'])}): "
+                f"load_weights {s['load_weights_s']:.3f} s vs engine restart {s['restart_s']:.1f} s "
+                f"-> {s['ratio_restart_vs_load_weights']:.0f}× faster",
+                f"  (first engine start {s['engine_start_s']:.1f} s; a restart-based switch also writes the "
+                f"{s['weight_bytes'] / 1e6:.0f} MB of weights first: {s['save_safetensors_s']:.3f} s)",
+            ]
     if "learner" in res:
         r = res["learner"]
         lines += [
-            f"learner tokens/s: GEPO update {r['learner_tokens_per_s']:.0f}, plain CE step "
-            f"{r['plain_ce_tokens_per_s']:.0f}  -> {r['ratio_learner_vs_plain_ce']:.2f}× "
-            f"({r['completion_tokens_per_update']:.0f} completion tokens per update)",
+            "",
+            f"learner tokens/s: GEPO update {r['learner_tokens_per_s']:.1f}, plain CE step "
+            f"{r['plain_ce_tokens_per_s']:.1f}  -> {r['ratio_learner_vs_plain_ce']:.2f}× "
+            f"({r['completion_tokens_per_update']:.0f} completion tokens in {r['rows_per_update']} rows per "
+            f"update, {r['micro_batches']} micro-batch(es))",
         ]
+    if "rl" in res:
+        r, w = res["rl"], 17
+        cols = ("ours_grpo", "ours_gepo", "ours_grpo_vllm")
+        lines += [
+            "",
+            "RL steps (steady)".ljust(27)
+            + "".join(
+                h.rjust(w) for h in ("ours-grpo hf", "ours-gepo hf", "ours-grpo vllm", "TRL GRPOTrainer")
+            ),
+            "steps/s".ljust(27)
+            + _cells(r, (*(f"{c}_steps_per_s" for c in cols), "trl_grpo_steps_per_s"), "{:.3f}", w),
+            "mean completion length".ljust(27)
+            + _cells(r, (*(f"{c}_mean_length" for c in cols), "trl_mean_length"), "{:.1f}", w),
+            "ratio vs TRL".ljust(27) + _cells(r, (*(f"ratio_{c}_vs_trl" for c in cols), None), "{:.2f}×", w),
+        ]
+        if "vllm_skipped" in r:
+            lines.append(f"ours-grpo vllm: not measured ({r['vllm_skipped']})")
     if "swarm" in res:
         r = res["swarm"]
         single = r["single_process_trajectories_per_s"]
@@ -403,8 +382,15 @@ def run_from_args(args: argparse.Namespace) -> int:
     import torch
 
     from heterorl.cli import DEFAULT_MODEL_DIR, _ensure_model
+    from heterorl.peer.model import load_model
+    from heterorl.peer.model.prompts import PromptFormat
+
+    from . import throughput_micro as micro
 
     logging.getLogger("heterorl.peer.train.local").setLevel(logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.hidden is not None:
@@ -415,25 +401,30 @@ def run_from_args(args: argparse.Namespace) -> int:
             build_tiny_model(model, steps=20, hidden=args.hidden, layers=args.layers, progress=False)
     else:
         model = _ensure_model(args.model or DEFAULT_MODEL_DIR, 0)
-    from heterorl.peer.model import load_model
-
-    n_params = sum(p.numel() for p in load_model(model)[0].parameters())
+    loaded, tok = load_model(model)
+    n_params = sum(p.numel() for p in loaded.parameters())
+    del loaded
+    real = args.hidden is None and n_params >= REAL_MODEL_PARAMETERS
+    resolve_defaults(args, real)
     res: dict = {
         "model": model,
         "parameters": n_params,
-        "threads": torch.get_num_threads(),
+        "real_model": real,
+        "prompts": PromptFormat(tok, args.chat).describe(),
+        "threads": args.threads,
         "args": {k: v for k, v in vars(args).items() if k != "fn"},
     }
     t0 = time.perf_counter()
     profiles = []
-    if "rl" in args.parts:
-        res["rl"] = _rl(args, model, out)
-    if "rollout" in args.parts:
-        res["rollout"], p = _rollout(args, model)
+    if "rollout" in args.parts or "switch" in args.parts:
+        part, p = micro.rollout_and_switch(args, model, out)
+        res.update(part)
         profiles.append(("rollout (hf backend)", p))
     if "learner" in args.parts:
-        res["learner"], p = _learner(args, model)
+        res["learner"], p = micro.learner(args, model)
         profiles.append(("learner update (GEPO)", p))
+    if "rl" in args.parts:
+        res["rl"] = _rl(args, model, out)
     if "swarm" in args.parts:
         single = res["rl"]["ours_gepo_steps_per_s"] if "rl" in res else None
         res["swarm"] = _swarm(args, model, out, single)

@@ -1,9 +1,12 @@
 """TRL's ``GRPOTrainer`` on the configuration of ``heterorl train --local``: the baseline people use today.
 
-Same model, task, prompts per step, group size, completion length and learning rate; one generation per
-optimiser step (``steps_per_generation=1``, ``num_iterations=1``), no reference model (``beta=0``), no
-gradient checkpointing, TRL's own ``grpo`` loss. Returns the wall-clock time at the end of every step, so
-the caller measures steps per second over the same steady window as for our loop.
+Same model, task, prompts (the chat template for instruct models, as ``PromptFormat`` encodes them: TRL
+renders a conversational prompt with the same template), prompts per step, group size, completion length and
+learning rate; one generation per optimiser step (``steps_per_generation=1``, ``num_iterations=1``), no
+reference model (``beta=0``), no gradient checkpointing, TRL's own ``grpo`` loss, generation with
+``transformers`` (no vLLM). :func:`run_trl_grpo` returns the wall-clock time at the end of every step, so the
+caller measures steps per second over the same steady window as for our loop; :func:`trl_generator` is the
+generation call alone.
 """
 
 from __future__ import annotations
@@ -12,50 +15,16 @@ import contextlib
 import io
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
-def run_trl_grpo(
-    model_path: str,
-    *,
-    task_name: str,
-    task_params: dict,
-    steps: int,
-    prompts_per_step: int,
-    group_size: int,
-    max_new_tokens: int,
-    lr: float,
-    seed: int,
-    out: Path,
-) -> dict:
-    """Train ``steps`` GRPO steps with TRL; returns step end times, mean completion length, rewards."""
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+def _config(out: Path, *, rows: int, group_size: int, max_new_tokens: int, lr: float, steps: int, seed: int):
+    from trl import GRPOConfig
 
-    from heterorl.peer.model import load_model
-    from heterorl.peer.tasks import get_task
-
-    task = get_task(task_name, **task_params)
-    model, tok = load_model(model_path)
-    rng = random.Random(seed)
-    examples = [task.sample(rng) for _ in range(steps * prompts_per_step)]
-    # our backend puts BOS before every prompt; TRL tokenizes the text as given, so the BOS goes in the text
-    bos = tok.bos_token or ""
-    data = Dataset.from_dict(
-        {"prompt": [bos + e.prompt for e in examples], "reference": [e.reference for e in examples]}
-    )
-
-    def task_reward(prompts, completions, reference, **_):
-        return [
-            task.reward(p.removeprefix(bos), c, r)
-            for p, c, r in zip(prompts, completions, reference, strict=True)
-        ]
-
-    task_reward.__name__ = f"{task_name}_reward"
-    cfg = GRPOConfig(
+    return GRPOConfig(
         output_dir=str(out),
-        per_device_train_batch_size=prompts_per_step * group_size,
+        per_device_train_batch_size=rows,
         num_generations=group_size,
         steps_per_generation=1,
         num_iterations=1,
@@ -80,6 +49,71 @@ def run_trl_grpo(
         disable_tqdm=True,
         shuffle_dataset=False,
         dataloader_num_workers=0,
+        seed=seed,
+    )
+
+
+def _dataset(tok, texts: list[str], chat: str, **columns):
+    """Task prompts as TRL takes them: conversational (TRL applies the chat template) when ``PromptFormat``
+    would use the template, else plain text with the BOS our backends put first (TRL tokenizes text as is)."""
+    from datasets import Dataset
+
+    from heterorl.peer.model.prompts import PromptFormat
+
+    if PromptFormat(tok, chat).chat:
+        prompts = [[{"role": "user", "content": t}] for t in texts]
+    else:
+        prompts = [(tok.bos_token or "") + t for t in texts]
+    return Dataset.from_dict({"prompt": prompts, **columns})
+
+
+def _text(x, bos: str) -> str:
+    """A prompt or completion as TRL passes it to reward functions (messages or text) -> its text."""
+    return x[-1]["content"] if isinstance(x, list) else x.removeprefix(bos)
+
+
+def run_trl_grpo(
+    model_path: str,
+    *,
+    task_name: str,
+    task_params: dict,
+    steps: int,
+    prompts_per_step: int,
+    group_size: int,
+    max_new_tokens: int,
+    lr: float,
+    seed: int,
+    out: Path,
+    chat: str = "auto",
+) -> dict:
+    """Train ``steps`` GRPO steps with TRL; returns step end times, mean completion length, rewards."""
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    from heterorl.peer.model import load_model
+    from heterorl.peer.tasks import get_task
+
+    task = get_task(task_name, **task_params)
+    model, tok = load_model(model_path)
+    rng = random.Random(seed)
+    examples = [task.sample(rng) for _ in range(steps * prompts_per_step)]
+    data = _dataset(tok, [e.prompt for e in examples], chat, reference=[e.reference for e in examples])
+    bos = tok.bos_token or ""
+
+    def task_reward(prompts, completions, reference, **_):
+        return [
+            task.reward(_text(p, bos), _text(c, ""), r)
+            for p, c, r in zip(prompts, completions, reference, strict=True)
+        ]
+
+    task_reward.__name__ = f"{task_name}_reward"
+    cfg = _config(
+        out,
+        rows=prompts_per_step * group_size,
+        group_size=group_size,
+        max_new_tokens=max_new_tokens,
+        lr=lr,
+        steps=steps,
         seed=seed,
     )
 
@@ -113,3 +147,36 @@ def run_trl_grpo(
         "mean_length": sum(lengths) / len(lengths) if lengths else float("nan"),
         "reward": rewards,
     }
+
+
+def trl_generator(
+    model, tok, *, group_size: int, max_new_tokens: int, out: Path
+) -> Callable[[list[list[int]]], list[list[int]]]:
+    """TRL's generation path alone: ``prompt_ids -> completion ids`` (up to and including EOS, unpadded).
+
+    Builds a ``GRPOTrainer`` with the configuration of :func:`run_trl_grpo` around ``model`` and calls the
+    method its training step generates with, ``GRPOTrainer._generate_single_turn``; without vLLM that is
+    ``unwrap_model_for_generation(model, accelerator, generation_kwargs=...)`` then ``unwrapped.generate(
+    input_ids, attention_mask, generation_config=GenerationConfig(do_sample, temperature, top_p, top_k,
+    max_new_tokens, eos/pad ids, disable_compile))`` on left-padded prompts, and a mask after the first EOS.
+    ``model`` is not trained; TRL sets its pad token id (the tokenizer's) in its configs.
+    """
+    from trl import GRPOTrainer
+
+    cfg = _config(
+        out, rows=group_size, group_size=group_size, max_new_tokens=max_new_tokens, lr=1e-6, steps=1, seed=0
+    )
+    data = _dataset(tok, ["1+1="] * group_size, "off")
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=cfg,
+        train_dataset=data,
+        processing_class=tok,
+    )
+
+    def generate(prompt_ids: list[list[int]]) -> list[list[int]]:
+        completion_ids, _ = trainer._generate_single_turn(prompt_ids, None, {}, group_size)
+        return [list(c) for c in completion_ids]
+
+    return generate

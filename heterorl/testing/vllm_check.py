@@ -7,7 +7,8 @@ prints last. Users can run it to check their own install: every figure is measur
 Checks: behaviour log-probs against the learner's recompute at two temperatures; EOS and max-token stops;
 new weights loaded into the running engine (and generation after it matching them, not the old ones, i.e. the
 prefix cache was reset); a checkpoint that does not fit refused with the old weights kept; an engine that
-dies restarted by :class:`ResilientBackend` with the weights it held.
+dies restarted by :class:`ResilientBackend` with the weights it held, and replaced by ``hf`` once its restarts
+are used up.
 """
 
 from __future__ import annotations
@@ -99,6 +100,14 @@ def run_checks(model_dir: str) -> dict:
     r = backend.generate(prompts, SamplingParams(1.0, 1.0, budget))
     out["after_engine_death"] = {
         "restarts": backend.restarts,
+        "backend": backend.name,
+        "fell_back": backend.fell_back,
+        "max_abs_diff": _max_diff(model, tok, r, 1.0),
+    }
+    backend.max_restarts = 1  # it dies again, with its restarts used up: the sampler carries on with hf
+    backend.inner.llm.llm_engine.engine_core.shutdown()
+    r = backend.generate(prompts, SamplingParams(1.0, 1.0, budget))
+    out["after_second_death"] = {
         "backend": backend.name,
         "fell_back": backend.fell_back,
         "max_abs_diff": _max_diff(model, tok, r, 1.0),
