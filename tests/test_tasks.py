@@ -43,7 +43,7 @@ def _stream(task, seed: int, n: int = 20) -> list[Example]:
 
 def test_task_and_reward_names():
     assert task_names() == ["arithmetic", "countdown", "jsonl"]
-    assert reward_names() == ["arithmetic_exact", "countdown", "gsm8k"]
+    assert reward_names() == ["arithmetic_answer", "arithmetic_exact", "countdown", "gsm8k"]
     assert REWARDS["gsm8k"] is gsm8k
 
 

@@ -110,10 +110,10 @@ def test_vllm_and_hf_samplers_train_one_swarm(tmp_path, tiny_model_dir):
     """A mixed swarm: one sampler on a live vLLM engine, one on hf; the vLLM one switches checkpoints inside
     its running engine, and the learner takes both kinds of batch, with the engine recorded per batch."""
     out = tmp_path / "mixed"
-    steps = 30
+    steps = 60  # the vLLM engine takes seconds to start: the hf sampler (3× slower) must not finish first
     cmd = [sys.executable, "-m", "heterorl.cli", "local", "--samplers", "2", "--steps", str(steps)]
     cmd += ["--out", str(out), "--model", str(tiny_model_dir), "--no-view", "--lr", "5e-4"]
-    cmd += ["--sampler-backends", "vllm", "hf"]
+    cmd += ["--sampler-backends", "vllm", "hf", "--sampler-slowdown", "1", "3"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())

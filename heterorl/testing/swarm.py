@@ -60,7 +60,10 @@ class Swarm:
     def start_sampler(
         self, name: str, *extra: str, module: str = "heterorl.cli", wrap: list[str] | None = None
     ) -> Proc:
-        args = ["--state-dir", str(self.root / name), "--threads", "1", *self.bootstrap(), *extra]
+        # hf unless a test says otherwise: `--backend auto` would start a vLLM engine for the tiny model,
+        # slower to start and to run on it (tests/test_vllm_backend.py covers vLLM samplers)
+        backend = [] if "--backend" in extra else ["--backend", "hf"]
+        args = ["--state-dir", str(self.root / name), "--threads", "1", *backend, *self.bootstrap(), *extra]
         if module == "heterorl.cli":
             args = ["peer", *args]
         return self._start(name, args, module=module, wrap=wrap)
