@@ -26,21 +26,13 @@ V, N, T, VERSION = 41, 8, 5, 3
 
 @pytest.fixture(scope="module")
 def base():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from heterorl.peer.model.tiny import build_config
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM(build_config(V, hidden=32, layers=2, heads=4, max_len=64)).eval()
 
 
 @pytest.fixture(scope="module")

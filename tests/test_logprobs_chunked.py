@@ -13,20 +13,12 @@ V = 37
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from heterorl.peer.model.tiny import build_config
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(build_config(V, hidden=16, layers=1, heads=2, max_len=32))
 
 
 def batch():
