@@ -3,7 +3,12 @@
 A checkpoint is the safetensors serialisation of a state dict, cut into fixed-size chunks (the last one
 shorter), each named by its SHA-256. Fixed size on purpose: safetensors writes a deterministic header and
 fixed tensor offsets for the same names, shapes and dtypes, so a tensor that did not change between versions
-gives the same chunks, which peers already hold from the parent version (delta transfer).
+gives the same chunks, which peers already hold from the parent version.
+
+A version may also be offered as a sparse delta against an older one (:mod:`delta`, cut into chunks the same
+way): a peer that holds the base fetches the delta's chunks instead, rebuilds the full bytes and checks every
+chunk against the manifest's full ``chunk_hashes`` (so the delta is exact or refused). Peers then hold and
+serve the full state too, so a newcomer or a peer that missed a version fetches it in full from anyone.
 
 The manifest body lists the chunk hashes in order, the total size and the chunk size; signing and the wire
 form are :mod:`messages` (``CheckpointManifest``). Everything here is pure: no files, no sockets. torch and
@@ -95,23 +100,72 @@ def manifest_body(
     return body, chunks
 
 
+def add_delta(body: dict, base_version: int, delta: bytes, codec: str) -> list[bytes]:
+    """Offer manifest ``body``'s version also as ``delta`` against ``base_version``; its chunks, in order.
+
+    The delta is cut like the checkpoint (``body["chunk_bytes"]``); ``chunk_hashes`` stay the full state's,
+    so whoever applies the delta checks the result chunk by chunk against what the learner signed.
+    """
+    if not 0 <= base_version < body["version"]:
+        raise ValueError(f"a delta for version {body['version']} needs an older base, got {base_version}")
+    chunks = split(delta, body["chunk_bytes"])
+    if not chunks or len(chunks) > MAX_CHUNKS:
+        raise ValueError(f"a delta of {len(delta)} bytes does not fit a manifest")
+    body["delta"] = {
+        "base_version": base_version,
+        "codec": codec,
+        "chunk_hashes": [chunk_hash(c) for c in chunks],
+        "total_size": len(delta),
+    }
+    return chunks
+
+
+def delta_part(body: dict) -> dict | None:
+    """The delta of manifest ``body`` as a manifest-like part (chunk_hashes, total_size, chunk_bytes) for
+    :func:`chunk_length`, :func:`verify_chunk` and :func:`assemble`; None for a full-only version."""
+    d = body.get("delta")
+    if d is None:
+        return None
+    return {
+        "chunk_hashes": d["chunk_hashes"],
+        "total_size": d["total_size"],
+        "chunk_bytes": body["chunk_bytes"],
+    }
+
+
+def referenced_hashes(body: dict) -> list[bytes]:
+    """Every chunk a manifest names: its full state's, then its delta's."""
+    d = body.get("delta")
+    return list(body["chunk_hashes"]) + (list(d["chunk_hashes"]) if d else [])
+
+
 def check_manifest(body: dict) -> None:
     """Raise ProtocolError unless the chunk count, chunk size and total size of ``body`` agree.
 
     The schema checks each field alone; this checks them together:
-    ``len(chunk_hashes) == ceil(total_size / chunk_bytes)``.
+    ``len(chunk_hashes) == ceil(total_size / chunk_bytes)``, and the same for a delta, whose base must be
+    an older version.
     """
+    _check_part(body)
+    d = body.get("delta")
+    if d is not None:
+        if not 0 <= d["base_version"] < body["version"]:
+            raise ProtocolError(f"delta base {d['base_version']} is not older than version {body['version']}")
+        _check_part(delta_part(body), "delta ")
+
+
+def _check_part(body: dict, what: str = "") -> None:
     chunk_bytes, total = body["chunk_bytes"], body["total_size"]
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ProtocolError(
             f"manifest chunk_bytes {chunk_bytes} outside [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]"
         )
     if total < 1:
-        raise ProtocolError(f"manifest total_size {total} is not positive")
+        raise ProtocolError(f"manifest {what}total_size {total} is not positive")
     expected = -(-total // chunk_bytes)
     if len(body["chunk_hashes"]) != expected:
         raise ProtocolError(
-            f"manifest lists {len(body['chunk_hashes'])} chunks; {total} bytes in {chunk_bytes}-byte "
+            f"manifest lists {len(body['chunk_hashes'])} {what}chunks; {total} bytes in {chunk_bytes}-byte "
             f"chunks make {expected}"
         )
 
@@ -132,8 +186,9 @@ def verify_chunk(body: dict, index: int, data: bytes) -> bool:
 
 
 def assemble(body: dict, chunks: Sequence[bytes]) -> bytes:
-    """Checkpoint bytes from every chunk of ``body`` in order; ProtocolError on any mismatch."""
-    check_manifest(body)
+    """Checkpoint bytes from every chunk of ``body`` (a manifest or a :func:`delta_part`) in order;
+    ProtocolError on any mismatch."""
+    _check_part(body)
     if len(chunks) != len(body["chunk_hashes"]):
         raise ProtocolError(f"{len(chunks)} chunks for a {len(body['chunk_hashes'])}-chunk manifest")
     for i, c in enumerate(chunks):

@@ -18,13 +18,15 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Iterable
 
 import msgpack
 
-from .checkpoint import check_manifest, chunk_length, verify_chunk
+from . import delta as delta_codec
+from .checkpoint import check_manifest, chunk_hash, chunk_length, delta_part, split, verify_chunk
 from .dht import checkpoints_key, providers_key
 from .errors import ProtocolError
 from .framing import FrameError, read_frame, write_frame
@@ -39,6 +41,7 @@ MAX_HASHES_PER_REQUEST = 16
 MAX_REQUEST_BYTES = 64 + MAX_HASHES_PER_REQUEST * (HASH_BYTES + 2)
 REQUEST_IDLE_S = 60.0
 HELD, NOT_HELD = b"\x00", b"\x01"
+SLOW_REBUILD_ENV = "HETERORL_TEST_SLOW_REBUILD_S"  # tests only: seconds to pause after each rebuilt chunk
 
 
 class FetchError(RuntimeError):
@@ -135,6 +138,8 @@ class FetchReport:
     seconds: float = 0.0
     from_provider: dict[str, int] = dataclasses.field(default_factory=dict)
     bad_providers: list[str] = dataclasses.field(default_factory=list)
+    via: str = "full"  # "delta" when rebuilt from the delta against a held version
+    delta_error: str = ""  # why a delta was refused (the full state was fetched instead)
 
 
 def verify_manifest(raw: bytes, run_id: str, learner_keys: Iterable[bytes]) -> tuple[dict, bytes]:
@@ -191,145 +196,260 @@ async def fetch_checkpoint(
     request_timeout: float = 60.0,
     progress: Callable[[FetchReport, int], None] | None = None,
     refresh_s: float = 1.0,
+    use_delta: bool = True,
 ) -> FetchReport:
-    """Fetch every chunk of a signed manifest that ``store`` lacks, then store the manifest.
+    """Fetch a signed manifest's version into ``store`` (by its delta when that is cheaper), then store the
+    manifest and announce it.
 
     Providers come from the DHT (``providers`` overrides, for tests). ``progress(report, bytes_to_fetch)``
     is called after every stored chunk (on the network loop: keep it quick). Raises ProtocolError for a
     manifest the run does not allow, FetchError when chunks stay unavailable until ``timeout``.
     """
     body, _ = verify_manifest(manifest_raw, run_id, learner_keys)
-    version = body["version"]
-    start = time.monotonic()
-    missing = await asyncio.to_thread(store.missing, body)
-    report = FetchReport(version=version, total_bytes=body["total_size"])
-    report.reused_bytes = body["total_size"] - sum(chunk_length(body, i) for i in missing)
-    to_fetch = report.total_bytes - report.reused_bytes
-    todo: collections.deque[int] = collections.deque(missing)
-    banned: set[str] = set()
-    lacks: dict[str, set[int]] = collections.defaultdict(set)
-    backoff = 0.5
-    announced = False
+    fetch = CheckpointFetch(
+        node,
+        store,
+        body,
+        run_id=run_id,
+        providers=providers,
+        streams_per_provider=streams_per_provider,
+        chunks_per_request=chunks_per_request,
+        deadline=time.monotonic() + timeout,
+        request_timeout=request_timeout,
+        progress=progress,
+        refresh_s=refresh_s,
+    )
+    return await fetch.run(manifest_raw, use_delta=use_delta)
 
-    async def worker(p: Provider) -> None:
-        nonlocal announced
+
+class CheckpointFetch:
+    """One version's download, in named steps: plan (what is held), delta (fetch it and rebuild the full
+    state, when the base is held and the delta is smaller than what is missing), full (fetch the chunks
+    still missing), commit (manifest into the store, announce as a complete provider)."""
+
+    def __init__(
+        self,
+        node: Node,
+        store: ChunkStore,
+        body: dict,
+        *,
+        run_id: str,
+        providers: list[Provider] | None,
+        streams_per_provider: int,
+        chunks_per_request: int,
+        deadline: float,
+        request_timeout: float,
+        progress: Callable[[FetchReport, int], None] | None,
+        refresh_s: float,
+    ):
+        self.node, self.store, self.body, self.run_id = node, store, body, run_id
+        self.version = body["version"]
+        self.providers, self.deadline = providers, deadline
+        self.streams, self.per_request = streams_per_provider, chunks_per_request
+        self.request_timeout, self.progress, self.refresh_s = request_timeout, progress, refresh_s
+        self.report = FetchReport(version=self.version, total_bytes=body["total_size"])
+        self.banned: set[str] = set()  # for the whole download: a liar is not asked for the full state either
+        self.announced = False
+        self.start = time.monotonic()
+
+    async def run(self, manifest_raw: bytes, *, use_delta: bool = True) -> FetchReport:
+        missing = await self.plan()
+        if missing and use_delta and await self.delta_worthwhile(missing):
+            await self.try_delta()
+        missing = await asyncio.to_thread(self.store.missing, self.body)
+        if missing:
+            await Download(self, self.body, missing).run()
+        await self.commit(manifest_raw)
+        return self.report
+
+    async def plan(self) -> list[int]:
+        missing = await asyncio.to_thread(self.store.missing, self.body)
+        r = self.report
+        r.reused_bytes = r.total_bytes - sum(chunk_length(self.body, i) for i in missing)
+        return missing
+
+    async def delta_worthwhile(self, missing: list[int]) -> bool:
+        d = self.body.get("delta")
+        if d is None or d["codec"] != delta_codec.CODEC:
+            return False
+        if await asyncio.to_thread(self.store.body, d["base_version"]) is None:
+            log.debug(
+                "version %d: base %d of its delta not held; fetching in full", self.version, d["base_version"]
+            )
+            return False
+        return d["total_size"] < sum(chunk_length(self.body, i) for i in missing)
+
+    async def try_delta(self) -> None:
+        """Fetch the delta and rebuild the full state from it; on a refused delta the full fetch follows."""
+        part = delta_part(self.body)
+        try:
+            todo = await asyncio.to_thread(self.store.missing, part)
+            if todo:
+                await Download(self, part, todo).run()
+            await asyncio.to_thread(rebuild_from_delta, self.store, self.body)
+            self.report.via = "delta"
+        except delta_codec.DeltaError as e:  # the learner signed it, so no provider is to blame
+            log.error("version %d: delta refused (%s); fetching the full state", self.version, e)
+            self.report.delta_error = str(e)
+
+    async def commit(self, manifest_raw: bytes) -> None:
+        still = await asyncio.to_thread(self.store.missing, self.body)
+        if still:
+            raise FetchError(f"version {self.version}: chunks {still[:5]} missing after the download")
+        await asyncio.to_thread(self.store.add_manifest, manifest_raw, self.body)
+        self.report.seconds = time.monotonic() - self.start
+        await _announce(self.node, self.run_id, self.version, complete=True)
+
+
+def rebuild_from_delta(store: ChunkStore, body: dict) -> None:
+    """Apply the (held) delta of ``body`` to its (held) base and store the full state's chunks; DeltaError if
+    the result is not, chunk for chunk, the state the manifest signs. Chunks are stored one by one, each
+    atomically, and the manifest only after: a peer killed here keeps its last good version."""
+    base = store.assemble(body["delta"]["base_version"])
+    delta = store.assemble_part(delta_part(body), f"version {body['version']} delta")
+    state = delta_codec.apply_delta(base, delta)
+    chunks = split(state, body["chunk_bytes"])
+    if len(state) != body["total_size"] or [chunk_hash(c) for c in chunks] != body["chunk_hashes"]:
+        raise delta_codec.DeltaError("it reconstructs a state other than the one the manifest signs")
+    pause = float(os.environ.get(SLOW_REBUILD_ENV, "0") or 0)
+    log.info(
+        "version %d: rebuilt from the delta against version %d",
+        body["version"],
+        body["delta"]["base_version"],
+    )
+    for h, c in zip(body["chunk_hashes"], chunks, strict=True):
+        store.put(h, c)
+        if pause:
+            time.sleep(pause)  # tests: widen the window in which a SIGKILL lands mid-apply
+
+
+class Download:
+    """Fetch the chunks ``todo`` of ``part`` (a manifest body or its delta part) from the version's providers.
+
+    Workers run per provider (``streams`` each); every ``refresh_s`` (sooner when nothing runs) the DHT is
+    asked again, so peers that began fetching this version after us start serving us mid-download. A chunk
+    that does not hash to the manifest bans its provider; a provider that lacks a chunk is asked for others.
+    """
+
+    def __init__(self, fetch: CheckpointFetch, part: dict, todo: list[int]):
+        self.f, self.part = fetch, part
+        self.todo: collections.deque[int] = collections.deque(todo)
+        self.to_fetch = sum(chunk_length(part, i) for i in todo)
+        self.lacks: dict[str, set[int]] = collections.defaultdict(set)
+        self.running: collections.Counter[str] = collections.Counter()
+
+    async def run(self) -> None:
+        f, tasks = self.f, set()
+        next_lookup, fetched_at_lookup, backoff = 0.0, -1, 0.5
+        try:
+            while self.todo or tasks:
+                now = time.monotonic()
+                if now > f.deadline:
+                    raise FetchError(
+                        f"version {f.version}: {len(self.todo)} chunks still missing at the deadline"
+                    )
+                if self.todo and now >= next_lookup:
+                    found = (
+                        f.providers
+                        if f.providers is not None
+                        else await find_providers(f.node, f.run_id, f.version)
+                    )
+                    live = [p for p in found if p.peer_id not in f.banned]
+                    for p in live:
+                        if self.running[p.peer_id] >= f.streams:
+                            continue
+                        self.lacks[p.peer_id].clear()  # forgive misses: holders may have fetched more since
+                        for _ in range(f.streams - self.running[p.peer_id]):
+                            self.running[p.peer_id] += 1
+                            tasks.add(asyncio.ensure_future(self._run_worker(p)))
+                    stalled = f.report.chunks_fetched == fetched_at_lookup
+                    fetched_at_lookup = f.report.chunks_fetched
+                    if stalled and not any(self.running.values()):
+                        log.info(
+                            "version %d: %d chunks not available yet from %d providers; retrying in %.1f s",
+                            f.version,
+                            len(self.todo),
+                            len(live),
+                            backoff,
+                        )
+                        next_lookup = time.monotonic() + backoff
+                        backoff = min(backoff * 2, 10.0)
+                    else:
+                        next_lookup = time.monotonic() + f.refresh_s
+                        backoff = 0.5
+                wait_s = max(0.0, next_lookup - time.monotonic())
+                if tasks:
+                    done, _ = await asyncio.wait(tasks, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+                    tasks -= done
+                    for t in done:
+                        t.result()  # workers catch what they expect; anything else is a bug worth raising
+                elif self.todo:
+                    await asyncio.sleep(wait_s)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _run_worker(self, p: Provider) -> None:
+        try:
+            await self._worker(p)
+        finally:
+            self.running[p.peer_id] -= 1
+
+    async def _worker(self, p: Provider) -> None:
+        f, part, report = self.f, self.part, self.f.report
         reader = writer = None
         try:
-            while p.peer_id not in banned:
-                take = _take(todo, lacks[p.peer_id], chunks_per_request)
+            while p.peer_id not in f.banned:
+                take = _take(self.todo, self.lacks[p.peer_id], f.per_request)
                 if not take:
                     return
                 try:
                     if writer is None:
                         reader, writer = await asyncio.wait_for(
-                            node.open_stream(p.peer_id, PROTOCOL, p.maddrs), request_timeout
+                            f.node.open_stream(p.peer_id, PROTOCOL, p.maddrs), f.request_timeout
                         )
                     await write_frame(
-                        writer, msgpack.packb({"hashes": [body["chunk_hashes"][i] for i in take]})
+                        writer, msgpack.packb({"hashes": [part["chunk_hashes"][i] for i in take]})
                     )
                     for n, i in enumerate(take):
-                        reply = await read_frame(reader, chunk_length(body, i) + 1, request_timeout)
+                        reply = await read_frame(reader, chunk_length(part, i) + 1, f.request_timeout)
                         if reply[:1] == NOT_HELD and len(reply) == 1:
-                            lacks[p.peer_id].add(i)
-                            todo.append(i)
+                            self.lacks[p.peer_id].add(i)
+                            self.todo.append(i)
                             take[n] = -1
                             continue
-                        if reply[:1] != HELD or not verify_chunk(body, i, reply[1:]):
+                        if reply[:1] != HELD or not verify_chunk(part, i, reply[1:]):
                             raise ProtocolError(f"chunk {i} does not hash to the manifest")
-                        await asyncio.to_thread(store.put, body["chunk_hashes"][i], reply[1:])
+                        await asyncio.to_thread(f.store.put, part["chunk_hashes"][i], reply[1:])
                         report.fetched_bytes += len(reply) - 1
                         report.chunks_fetched += 1
                         report.from_provider[p.peer_id] = (
                             report.from_provider.get(p.peer_id, 0) + len(reply) - 1
                         )
                         take[n] = -1
-                        if progress is not None:
-                            progress(report, to_fetch)
-                        if not announced:
-                            announced = True
-                            node.spawn(_announce(node, run_id, version, complete=False))
+                        if f.progress is not None:
+                            f.progress(report, self.to_fetch)
+                        if not f.announced:
+                            f.announced = True
+                            f.node.spawn(_announce(f.node, f.run_id, f.version, complete=False))
                 except ProtocolError as e:
                     if isinstance(e, FrameError) and e.kind != "oversized":  # crashed or slow, not hostile
                         log.info("provider %s: %s; trying others", p.peer_id[-8:], e)
-                        lacks[p.peer_id].update(i for i in take if i >= 0)
-                    else:
-                        if p.peer_id not in banned:  # its other streams stop at their next request
-                            log.warning("provider %s served bad data (%s); routed around", p.peer_id[-8:], e)
-                            banned.add(p.peer_id)
-                            report.bad_providers.append(p.peer_id)
-                    todo.extend(i for i in take if i >= 0)
+                        self.lacks[p.peer_id].update(i for i in take if i >= 0)
+                    elif p.peer_id not in f.banned:  # its other streams stop at their next request
+                        log.warning("provider %s served bad data (%s); routed around", p.peer_id[-8:], e)
+                        f.banned.add(p.peer_id)
+                        report.bad_providers.append(p.peer_id)
+                    self.todo.extend(i for i in take if i >= 0)
                     return
                 except Exception as e:  # unreachable, stream reset, daemon error: try the others
                     log.info("provider %s unreachable (%s: %s)", p.peer_id[-8:], type(e).__name__, e)
-                    lacks[p.peer_id].update(i for i in take if i >= 0)
-                    todo.extend(i for i in take if i >= 0)
+                    self.lacks[p.peer_id].update(i for i in take if i >= 0)
+                    self.todo.extend(i for i in take if i >= 0)
                     return
         finally:
             if writer is not None:
                 writer.close()
-
-    # Workers run per provider; every `refresh_s` (sooner when nothing runs) the DHT is asked again, so
-    # peers that began fetching this version after us start serving us their chunks mid-download.
-    running: collections.Counter[str] = collections.Counter()
-    tasks: set[asyncio.Task] = set()
-
-    async def run_worker(p: Provider) -> None:
-        try:
-            await worker(p)
-        finally:
-            running[p.peer_id] -= 1
-
-    next_lookup, fetched_at_lookup = 0.0, -1
-    try:
-        while todo or tasks:
-            now = time.monotonic()
-            if now - start > timeout:
-                raise FetchError(f"version {version}: {len(todo)} chunks still missing after {timeout:g} s")
-            if todo and now >= next_lookup:
-                found = providers if providers is not None else await find_providers(node, run_id, version)
-                live = [p for p in found if p.peer_id not in banned]
-                for p in live:
-                    if running[p.peer_id] >= streams_per_provider:
-                        continue
-                    lacks[p.peer_id].clear()  # forgive misses: holders may have fetched more since
-                    for _ in range(streams_per_provider - running[p.peer_id]):
-                        running[p.peer_id] += 1
-                        tasks.add(asyncio.ensure_future(run_worker(p)))
-                stalled = report.chunks_fetched == fetched_at_lookup
-                fetched_at_lookup = report.chunks_fetched
-                if stalled and not any(running.values()):
-                    log.info(
-                        "version %d: %d chunks not available yet from %d providers; retrying in %.1f s",
-                        version,
-                        len(todo),
-                        len(live),
-                        backoff,
-                    )
-                    next_lookup = time.monotonic() + backoff
-                    backoff = min(backoff * 2, 10.0)
-                else:
-                    next_lookup = time.monotonic() + refresh_s
-                    backoff = 0.5
-            wait_s = max(0.0, next_lookup - time.monotonic())
-            if tasks:
-                done, _ = await asyncio.wait(tasks, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-                tasks -= done
-                for t in done:
-                    t.result()  # workers catch what they expect; anything else is a bug worth raising
-            elif todo:
-                await asyncio.sleep(wait_s)
-    finally:
-        for t in tasks:
-            t.cancel()
-    still = await asyncio.to_thread(store.missing, body)
-    if still:
-        raise FetchError(
-            f"version {version}: chunks {still[:5]} missing after the download"
-        )  # store evicted?
-    await asyncio.to_thread(store.add_manifest, manifest_raw, body)
-    report.seconds = time.monotonic() - start
-    await _announce(node, run_id, version, complete=True)
-    return report
 
 
 def _take(todo: collections.deque[int], lacks: set[int], k: int) -> list[int]:

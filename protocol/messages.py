@@ -66,7 +66,19 @@ SCHEMAS: dict[str, s.Check] = {
             "total_size": s.integer(1, 1 << 45),
             "dtype": s.text(16),
             "chunk_bytes": s.integer(4096, 64 << 20),  # all chunks but the last; see checkpoint.py
-        }
+        },
+        # the version also as a sparse delta against its parent (delta.py), in chunks of chunk_bytes; the
+        # chunk_hashes above stay the full state, which a peer reconstructs from the delta and checks
+        optional={
+            "delta": s.record(
+                {
+                    "base_version": s.integer(0, 1 << 53),
+                    "codec": s.text(32),
+                    "chunk_hashes": s.array(s.binary(HASH_BYTES, HASH_BYTES), 1 << 16, min_len=1),
+                    "total_size": s.integer(1, 1 << 45),
+                }
+            )
+        },
     ),
     "RunSpec": s.record(
         {

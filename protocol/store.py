@@ -63,7 +63,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def _sidecar(body: dict) -> dict:
-    return {
+    side = {
         "run_id": body["run_id"],
         "version": body["version"],
         "parent_version": body["parent_version"],
@@ -72,15 +72,26 @@ def _sidecar(body: dict) -> dict:
         "dtype": body["dtype"],
         "chunk_hashes": [h.hex() for h in body["chunk_hashes"]],
     }
+    if "delta" in body:
+        side["delta"] = {**body["delta"], "chunk_hashes": [h.hex() for h in body["delta"]["chunk_hashes"]]}
+    return side
+
+
+def _hashes_of_hex(hexes: list[str]) -> list[bytes]:
+    hashes = [bytes.fromhex(h) for h in hexes]
+    if any(len(h) != HASH_BYTES for h in hashes):
+        raise ValueError("sidecar hash of the wrong length")
+    return hashes
 
 
 def _body_of_sidecar(side: dict) -> dict:
     body = dict(side)
-    body["chunk_hashes"] = [bytes.fromhex(h) for h in side["chunk_hashes"]]
-    if any(len(h) != HASH_BYTES for h in body["chunk_hashes"]):
-        raise ValueError("sidecar hash of the wrong length")
+    body["chunk_hashes"] = _hashes_of_hex(side["chunk_hashes"])
+    if "delta" in side:
+        body["delta"] = {**side["delta"], "chunk_hashes": _hashes_of_hex(side["delta"]["chunk_hashes"])}
     checkpoint.check_manifest(body)
     return body
+
 
 
 class ChunkStore:
@@ -191,7 +202,7 @@ class ChunkStore:
             self._sizes[h] = len(data)
 
     def missing(self, body: dict) -> list[int]:
-        """Indices of the chunks of manifest ``body`` not held, ascending."""
+        """Indices of the chunks of manifest ``body`` (or a delta part) not held, ascending."""
         return [i for i, h in enumerate(body["chunk_hashes"]) if not self.has(h)]
 
     def held(self, body: dict) -> int:
@@ -254,7 +265,12 @@ class ChunkStore:
         """The manifest body of ``version`` (a copy), or None."""
         with self._lock:
             b = self._bodies.get(version)
-            return None if b is None else {**b, "chunk_hashes": list(b["chunk_hashes"])}
+            if b is None:
+                return None
+            out = {**b, "chunk_hashes": list(b["chunk_hashes"])}
+            if "delta" in b:
+                out["delta"] = {**b["delta"], "chunk_hashes": list(b["delta"]["chunk_hashes"])}
+            return out
 
     def versions(self) -> list[int]:
         """Versions with a stored manifest, ascending."""
@@ -271,15 +287,18 @@ class ChunkStore:
         body = self.body(version)
         if body is None:
             raise KeyError(f"no manifest for version {version}")
+        return self.assemble_part(body, f"version {version}")
+
+    def assemble_part(self, part: dict, what: str = "checkpoint") -> bytes:
+        """Bytes of the chunks ``part`` lists (a manifest body or its ``checkpoint.delta_part``), re-hashed;
+        ProtocolError for a chunk missing or corrupt on disk."""
         chunks = []
-        for i, h in enumerate(body["chunk_hashes"]):
+        for i, h in enumerate(part["chunk_hashes"]):
             c = self.get(h)
             if c is None:
-                raise ProtocolError(
-                    f"version {version}: chunk {i} missing or corrupt on disk; fetch it again"
-                )
+                raise ProtocolError(f"{what}: chunk {i} missing or corrupt on disk; fetch it again")
             chunks.append(c)
-        return checkpoint.assemble(body, chunks)
+        return checkpoint.assemble(part, chunks)
 
     # --- size cap ------------------------------------------------------------------------------------
 
@@ -301,7 +320,7 @@ class ChunkStore:
         freed = 0
         if self._total_locked() <= self.max_bytes:
             return 0
-        referenced = {h for b in self._bodies.values() for h in b["chunk_hashes"]}
+        referenced = {h for b in self._bodies.values() for h in checkpoint.referenced_hashes(b)}
         if sweep_orphans:
             freed += self._delete_chunks(set(self._sizes) - referenced - protect)
         old = sorted(self._bodies)[: max(0, len(self._bodies) - keep_latest)]
@@ -312,8 +331,8 @@ class ChunkStore:
             for suffix in (".msg", ".json"):
                 self._manifest_path(version, suffix).unlink(missing_ok=True)
             freed += self._manifest_bytes.pop(version)
-            still = {h for b in self._bodies.values() for h in b["chunk_hashes"]}
-            freed += self._delete_chunks(set(body["chunk_hashes"]) - still - protect)
+            still = {h for b in self._bodies.values() for h in checkpoint.referenced_hashes(b)}
+            freed += self._delete_chunks(set(checkpoint.referenced_hashes(body)) - still - protect)
         self._evicted_bytes += freed
         return freed
 

@@ -164,3 +164,60 @@ def test_client_mode_peer_fetches_without_serving_the_dht(bootstrap_node, peers,
     f = _fetch(peers, bootstrap_node, run, tmp_path / "nat", ready["key"], "--latest", "1", "--client-mode")
     got = f.wait_event("fetched", 120)
     assert got["sha256"] == v1["sha256"] and got["fetched_bytes"] == v1["total_size"]
+
+
+def test_peers_follow_a_chain_of_deltas_bit_exact_and_a_newcomer_fetches_in_full(
+    bootstrap_node, peers, tmp_path, run
+):
+    # bf16 versions made by optimizer-like steps (every float32 element moves) with sparse deltas; version 4's
+    # delta is signed but rebuilds the wrong state (a learner bug): refused, that version fetched in full
+    seed, ready = _seed(
+        peers,
+        bootstrap_node,
+        tmp_path,
+        run,
+        "--size-mb",
+        "4",
+        "--chunk-kb",
+        "128",
+        "--versions",
+        "5",
+        "--dtype",
+        "bfloat16",
+        "--deltas",
+        "--step-lr",
+        "1e-4",
+        "--bad-delta",
+        "4",
+    )
+    published = [seed.wait_event("published") for _ in range(5)]
+    assert published[0]["delta_size"] is None
+    assert all(0 < p["delta_size"] < 0.2 * p["total_size"] for p in published[1:])
+    follower = _fetch(
+        peers,
+        bootstrap_node,
+        run,
+        tmp_path / "follower",
+        ready["key"],
+        "--manifest",
+        *[p["manifest"] for p in published],
+        "--serve",
+    )
+    got = [follower.wait_event("fetched", 120) for _ in range(5)]
+    for g, p in zip(got, published, strict=True):
+        assert (g["version"], g["sha256"]) == (p["version"], p["sha256"])  # bit-identical to what was signed
+    assert got[0]["via"] == "full" and got[0]["fetched_bytes"] == published[0]["total_size"]
+    for g, p in zip(got[1:], published[1:], strict=True):
+        if p["version"] == 4:
+            assert g["via"] == "full" and "reconstructs a state other" in g["delta_error"]
+            assert g["fetched_bytes"] >= p["delta_size"] + 0.5 * p["total_size"]
+        else:
+            assert g["via"] == "delta" and g["delta_error"] == ""
+            assert g["fetched_bytes"] == p["delta_size"]  # only the delta crossed the wire
+    # a newcomer holds nothing: it fetches version 5 in full, from the follower too (who rebuilt it)
+    seed.kill()
+    late = _fetch(peers, bootstrap_node, run, tmp_path / "late", ready["key"], "--latest", "5")
+    g = late.wait_event("fetched", 120)
+    assert g["sha256"] == published[4]["sha256"] and g["via"] == "full"
+    assert set(g["from_provider"]) == {follower.history[0]["peer_id"]}
+    follower.stop()

@@ -4,7 +4,8 @@
 ``{"event": "ready", ...}`` once it is on the network, then JSON lines for what it did, and runs until its
 work is done (or, for serving roles, until killed or stdin closes). Roles:
 
-- ``seed``: a learner that builds checkpoint versions (random float32 tensors) and publishes them;
+- ``seed``: a learner that builds checkpoint versions (random tensors, float32 or bf16, optionally with
+  sparse deltas) and publishes them;
 - ``fetch``: a peer that fetches a version from the swarm, then keeps serving its chunks;
 - ``corrupt``: a hostile provider that announces a version and serves wrong bytes for every chunk;
 - ``learner``: a trajectory receiver with a durable accepted log;
@@ -57,14 +58,36 @@ def make_state_dict(total_bytes: int, tensors: int, seed: int) -> dict:
     return {f"layer{i:03d}.weight": torch.randn(per, generator=g) for i in range(tensors)}
 
 
-def build_version(store, identity, run_id: str, version: int, parent: int, state: dict, chunk_bytes: int):
-    """Serialise, chunk into ``store`` and sign the manifest; returns (manifest_raw, body). Data first."""
-    from heterorl.protocol import encode
-    from heterorl.protocol.checkpoint import manifest_body, serialize_state_dict
+def build_version(
+    store,
+    identity,
+    run_id: str,
+    version: int,
+    parent: int,
+    state: dict,
+    chunk_bytes: int,
+    *,
+    dtype: str = "float32",
+    delta: bool = False,
+    bad_delta: bool = False,
+):
+    """Serialise (as ``dtype``), chunk into ``store`` and sign the manifest, with a sparse delta against
+    ``parent`` when ``delta`` (``bad_delta``: one that rebuilds a state off by one word, signed anyway, as a
+    buggy learner would); returns (manifest_raw, body). Data first."""
+    import torch
 
-    data = serialize_state_dict(state)
-    body, chunks = manifest_body(run_id, version, parent, data, "float32", chunk_bytes)
-    for h, c in zip(body["chunk_hashes"], chunks, strict=True):
+    from heterorl.protocol import encode
+    from heterorl.protocol.checkpoint import add_delta, manifest_body, referenced_hashes, serialize_state_dict
+    from heterorl.protocol.delta import CODEC, encode_delta
+
+    data = serialize_state_dict({k: v.to(getattr(torch, dtype)) for k, v in state.items()})
+    body, chunks = manifest_body(run_id, version, parent, data, dtype, chunk_bytes)
+    if delta and parent >= 0:
+        target = bytearray(data)
+        if bad_delta:
+            target[-1] ^= 1
+        chunks += add_delta(body, parent, encode_delta(store.assemble(parent), bytes(target)), CODEC)
+    for h, c in zip(referenced_hashes(body), chunks, strict=True):
         store.put(h, c)
     return encode("CheckpointManifest", body, identity), body
 
@@ -82,13 +105,28 @@ def cmd_seed(args) -> None:
     state = make_state_dict(args.size_mb << 20, args.tensors, seed=0)
     parent = -1
     for version in range(1, args.versions + 1):
-        if version > 1:  # change a fraction of the tensors, as a partial fine-tune would
+        if version > 1 and args.step_lr:  # an optimizer step: every element moves by ~lr
+            import torch
+
+            state = {n: t + args.step_lr * torch.randn_like(t).sign() for n, t in state.items()}
+        elif version > 1:  # change a fraction of the tensors, as a partial fine-tune would
             import torch
 
             names = sorted(state)[: max(1, int(len(state) * args.change_frac))]
             for n in names:
                 state[n] = state[n] + torch.randn_like(state[n]) * 1e-3
-        raw, body = build_version(store, identity, args.run, version, parent, state, args.chunk_kb << 10)
+        raw, body = build_version(
+            store,
+            identity,
+            args.run,
+            version,
+            parent,
+            state,
+            args.chunk_kb << 10,
+            dtype=args.dtype,
+            delta=args.deltas,
+            bad_delta=version in args.bad_delta,
+        )
         node.call(publish_checkpoint(node, store, raw, body))
         emit(
             "published",
@@ -96,8 +134,11 @@ def cmd_seed(args) -> None:
             sha256=hashlib.sha256(store.assemble(version)).hexdigest(),
             manifest=raw.hex(),
             total_size=body["total_size"],
+            delta_size=body["delta"]["total_size"] if "delta" in body else None,
             chunks=len(body["chunk_hashes"]),
         )
+        if args.interval:
+            time.sleep(args.interval)
         parent = version
     _wait_stdin_closed()
     node.close()
@@ -164,6 +205,8 @@ def cmd_fetch(args) -> None:
             total_bytes=report.total_bytes,
             bad_providers=report.bad_providers,
             from_provider=report.from_provider,
+            via=report.via,
+            delta_error=report.delta_error,
         )
     if args.serve:
         _wait_stdin_closed()
@@ -318,6 +361,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--versions", type=int, default=1)
     s.add_argument("--change-frac", type=float, default=0.1)
     s.add_argument("--upload-mbps", type=float, default=0, help="upload cap in Mbit/s (0: none)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="published dtype")
+    s.add_argument("--deltas", action="store_true", help="offer each version as a delta against the last")
+    s.add_argument("--step-lr", type=float, default=0, help="versions move every element by this (0: off)")
+    s.add_argument("--bad-delta", type=int, nargs="*", default=[], help="versions whose delta rebuilds wrong")
+    s.add_argument("--interval", type=float, default=0, help="seconds between versions")
     s = common(sub.add_parser("fetch"))
     s.add_argument("--store", required=True)
     s.add_argument("--manifest", nargs="*", default=[], help="hex of signed manifests, fetched in order")

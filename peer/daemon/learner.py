@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 
 from heterorl.coordinator.runconfig import RunSettings
-from heterorl.protocol import Identity, decode, encode
-from heterorl.protocol.checkpoint import manifest_body
+from heterorl.protocol import Identity, ProtocolError, decode, encode
+from heterorl.protocol.checkpoint import add_delta, manifest_body, referenced_hashes
 from heterorl.protocol.chunks import ChunkServer, announce_checkpoint
+from heterorl.protocol.delta import CODEC as DELTA_CODEC
+from heterorl.protocol.delta import encode_delta
 from heterorl.protocol.ledger import AcceptedLog
 from heterorl.protocol.store import ChunkStore
 from heterorl.protocol.trajectories import TrajectoryReceiver
@@ -121,6 +123,7 @@ class Learner:
         self.wait_s = 0.0
         self.train_s = 0.0
         self.publish_s = collections.Counter()  # save / build / announce: seconds, cumulative
+        self.delta_bytes = self.full_bytes = 0  # of the versions published with a delta
         self.replayed = self._replay()
 
     # ---- intake ----
@@ -160,7 +163,9 @@ class Learner:
             parent = self.published_version if self.published_version >= 0 else max(older, default=-1)
             data = weights_bytes(self.model, s.learner.checkpoint_dtype)
             body, chunks = manifest_body(s.run_id, self.step, parent, data, s.learner.checkpoint_dtype)
-            for h, c in zip(body["chunk_hashes"], chunks, strict=True):
+            if s.learner.deltas and parent >= 0:
+                chunks += self._delta(body, parent, data)
+            for h, c in zip(referenced_hashes(body), chunks, strict=True):
                 self.store.put(h, c)
             raw = encode("CheckpointManifest", body, self.identity)
         # else: built before a restart from these same saved weights; announce it again
@@ -169,6 +174,21 @@ class Learner:
         self.store.add_manifest(raw, body)
         self.announcer.announce(raw, body)  # in the background: training goes on
         self.publish_s.update({"save": t1 - t0, "build": t2 - t1, "announce": time.perf_counter() - t2})
+
+    def _delta(self, body: dict, parent: int, data: bytes) -> list[bytes]:
+        """Offer version ``body`` also as a sparse delta against ``parent``: its chunks (none when the parent
+        is gone from the store or the delta would not save at least half the bytes)."""
+        try:
+            base = self.store.assemble(parent)
+            delta = encode_delta(base, data)
+        except (KeyError, ProtocolError) as e:  # evicted, or another layout: full only
+            log.info("version %d published in full only: %s", body["version"], e)
+            return []
+        if len(delta) > len(data) // 2:
+            return []
+        self.delta_bytes += len(delta)
+        self.full_bytes += len(data)
+        return add_delta(body, parent, delta, DELTA_CODEC)
 
     # ---- training ----
 
@@ -219,6 +239,8 @@ class Learner:
                 )
             ),
             "wait_s": self.wait_s,  # cumulative, so any window's wait fraction can be read off
+            # compressed delta bytes over full checkpoint bytes, over the versions published with a delta
+            "delta_ratio": self.delta_bytes / self.full_bytes if self.full_bytes else None,
             "train_s": self.train_s,
             **{f"publish_{k}_s": v for k, v in self.publish_s.items()},
             **stats,
