@@ -8,7 +8,10 @@ process holds the bootstrap node. Figures, all from one run:
   copy of the same bytes over loopback in this process (``socket.sendall`` → ``recv_into``). Peers serve
   what they hold, so later peers can fetch from earlier ones.
 - delta: a peer holding version 1 fetches version 2 (a fraction of tensors changed): bytes on the wire
-  against the full size.
+  against the full size (chunk reuse, for float32 checkpoints).
+- delta propagation: N peers holding version 1 of a bf16 checkpoint fetch version 2 (every float32 element
+  moved by ``--step-lr``) at the same instant, by its sparse delta and (fresh peers) in full: time until
+  all hold it, bytes uploaded by the seeder (the learner) and by other peers.
 - trajectories: one learner, one sampler sending signed batches; outbox-put → Ack latency p50/p99 and the
   wire bytes per batch against the raw payload (int32 token ids + float32 log-probs + float32 reward).
 
@@ -177,6 +180,84 @@ def bench_checkpoints(boot, work: Path, size_mb: int, peer_counts: list[int], ch
             p.__exit__(None, None, None)
 
 
+def bench_delta_propagation(
+    boot, work: Path, size_mb: int, peers: int, chunk_kb: int, step_lr: float
+) -> dict:
+    """N peers that hold version 1 fetch version 2 at the same instant, once by its sparse bf16 delta and once
+    in full (fresh stores each time): time until all hold it, and who uploaded the bytes (seeder vs peers)."""
+    from heterorl.testing.procs import PeerProcess
+
+    procs: list[PeerProcess] = []
+    try:
+        run = f"bench-delta-{size_mb}mb"
+        common = ["--run", run, "--bootstrap", *boot.maddrs]
+        seed_args = ["--store", str(work / "seed"), "--size-mb", str(size_mb), "--versions", "2"]
+        seed_args += ["--chunk-kb", str(chunk_kb), "--tensors", "40", "--dtype", "bfloat16", "--deltas"]
+        seed = PeerProcess("seed", *common, *seed_args, "--step-lr", str(step_lr), log_path=work / "seed.log")
+        procs.append(seed)
+        key = seed.wait_event("ready", 120)["key"]
+        seed_id = seed.history[0]["peer_id"]
+        v1, v2 = seed.wait_event("published", 600), seed.wait_event("published", 600)
+        out = {"size_mb": size_mb, "peers": peers, "bytes": v2["total_size"], "delta_size": v2["delta_size"]}
+        _say(
+            f"  {size_mb} MB bf16 checkpoint; version 2's delta {v2['delta_size'] / 2**20:.2f} MiB "
+            f"({v2['delta_size'] / v2['total_size']:.2%} of the state)"
+        )
+        for mode in ("delta", "full"):
+            group = []
+            for i in range(peers):
+                extra = ["--no-delta"] if mode == "full" else []
+                p = PeerProcess(
+                    "fetch",
+                    *common,
+                    "--store",
+                    str(work / f"{mode}-{i}"),
+                    "--learner-key",
+                    key,
+                    "--manifest",
+                    v1["manifest"],
+                    v2["manifest"],
+                    "--go-before",
+                    "1",
+                    "--serve",
+                    *extra,
+                    log_path=work / f"{mode}-{i}.log",
+                )
+                procs.append(p)
+                group.append(p)
+            for p in group:
+                p.wait_event("fetched", 900)  # version 1, in full
+                p.wait_event("waiting", 120)
+            t0 = time.time()
+            for p in group:
+                p.send("go")
+            done = [p.wait_event("fetched", 900) for p in group]
+            if any(d["sha256"] != v2["sha256"] for d in done):
+                raise RuntimeError("a peer assembled different bytes than the seeder published")
+            from_seed = sum(d["from_provider"].get(seed_id, 0) for d in done)
+            wire = sum(d["fetched_bytes"] for d in done)
+            out[mode] = {
+                "seconds_to_all": max(d["t_end"] for d in done) - t0,
+                "bytes_on_wire": wire,
+                "seeder_upload": from_seed,
+                "peer_upload": wire - from_seed,
+                "via": sorted({d["via"] for d in done}),
+            }
+            r = out[mode]
+            _say(
+                f"  → {peers} peers by {mode}: all hold version 2 after {r['seconds_to_all']:.2f} s; "
+                f"seeder uploaded {from_seed / 2**20:.1f} MiB, "
+                f"other peers {(wire - from_seed) / 2**20:.1f} MiB"
+            )
+            for p in group:
+                p.stop()
+        out["speedup"] = out["full"]["seconds_to_all"] / max(out["delta"]["seconds_to_all"], 1e-9)
+        return out
+    finally:
+        for p in procs:
+            p.__exit__(None, None, None)
+
+
 def bench_trajectories(boot, work: Path, batches: int, rows: int, tokens: int, interval: float) -> dict:
     from heterorl.protocol import load_or_create_identity
     from heterorl.testing.procs import PeerProcess
@@ -250,6 +331,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rows", type=int, default=16, help="rows per batch")
     ap.add_argument("--tokens", type=int, default=128, help="completion tokens per row")
     ap.add_argument("--interval", type=float, default=0.02, help="seconds between batches")
+    ap.add_argument(
+        "--delta-peers", type=int, default=8, help="peers fetching a new version by delta vs full"
+    )
+    ap.add_argument(
+        "--step-lr", type=float, default=1e-5, help="per-element step between the versions of the delta run"
+    )
     ap.add_argument("--quick", action="store_true", help="8 MB, 1 and 2 peers, 50 batches (a smoke run)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--workdir", default=None, help="where peers keep their stores (default: a temp dir)")
@@ -260,7 +347,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from heterorl.protocol.node import NetConfig, Node
 
     if args.quick:
-        args.sizes_mb, args.peers, args.batches = [8], [1, 2], 50
+        args.sizes_mb, args.peers, args.batches, args.delta_peers = [8], [1, 2], 50, 2
     work = Path(args.workdir or tempfile.mkdtemp(prefix="heterorl-bench-net-"))
     work.mkdir(parents=True, exist_ok=True)
     boot = Node.start(Identity.generate(), NetConfig())
@@ -270,6 +357,12 @@ def run_from_args(args: argparse.Namespace) -> int:
             _say(f"checkpoint propagation, {size} MB:")
             results["checkpoints"].append(
                 bench_checkpoints(boot, work / f"ckpt{size}", size, args.peers, args.chunk_kb)
+            )
+        if args.delta_peers:
+            size = args.sizes_mb[0]
+            _say(f"new version by delta vs in full, {args.delta_peers} peers, {size} MB:")
+            results["delta_propagation"] = bench_delta_propagation(
+                boot, work / "delta", size, args.delta_peers, args.chunk_kb, args.step_lr
             )
         _say("trajectory delivery:")
         results["trajectories"] = bench_trajectories(
@@ -307,6 +400,21 @@ def format_table(results: dict) -> str:
             f"| {c['size_mb']} MB | {d['full_bytes'] / 2**20:.1f} | {d['delta_bytes'] / 2**20:.1f} | "
             f"{d['fraction']:.1%} |"
         )
+    dp = results.get("delta_propagation")
+    if dp:
+        lines += [
+            "",
+            f"| new version ({dp['size_mb']} MB bf16, delta {dp['delta_size'] / dp['bytes']:.2%}) | peers "
+            "| time to all (s) | on the wire (MiB) | seeder upload (MiB) | other peers' upload (MiB) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for mode in ("delta", "full"):
+            r = dp[mode]
+            lines.append(
+                f"| by {mode} | {dp['peers']} | {r['seconds_to_all']:.2f} | "
+                f"{r['bytes_on_wire'] / 2**20:.1f} | {r['seeder_upload'] / 2**20:.1f} | "
+                f"{r['peer_upload'] / 2**20:.1f} |"
+            )
     t = results["trajectories"]
     if t:
         lines += [

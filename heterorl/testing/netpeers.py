@@ -177,7 +177,10 @@ def cmd_fetch(args) -> None:
             last[0] = now
             emit("progress", version=report.version, fetched_bytes=report.fetched_bytes, to_fetch=to_fetch)
 
-    for raw in manifests:
+    for n, raw in enumerate(manifests):
+        if args.go_before == n:  # hold the earlier versions, then start the next one together with others
+            emit("waiting")
+            sys.stdin.readline()
         t = time.perf_counter()
         try:
             report = node.call(
@@ -189,6 +192,7 @@ def cmd_fetch(args) -> None:
                     learner_keys=learner_keys,
                     timeout=args.timeout,
                     progress=progress,
+                    use_delta=not args.no_delta,
                 ),
             )
         except Exception as e:
@@ -374,6 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--learner-key", required=True)
     s.add_argument("--timeout", type=float, default=300)
     s.add_argument("--serve", action="store_true", help="keep serving after the fetch until stdin closes")
+    s.add_argument("--no-delta", action="store_true", help="fetch every version in full, never by its delta")
+    s.add_argument("--go-before", type=int, default=-1, help="read a line from stdin before manifest #N")
     s = common(sub.add_parser("corrupt"))
     s.add_argument("--manifest", nargs="+", required=True)
     s.add_argument("--chunk-kb", type=int, default=1024)
