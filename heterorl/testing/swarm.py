@@ -16,7 +16,7 @@ from heterorl.local import Proc, _ready_line, stop_all
 
 
 class Swarm:
-    def __init__(self, root: Path, model_dir: str | Path, **learner_settings: object):
+    def __init__(self, root: Path, model_dir: str | Path, *, lr: float = 2e-3, **learner_settings: object):
         from heterorl.protocol import load_or_create_identity
 
         self.root = Path(root)
@@ -29,8 +29,10 @@ class Swarm:
         self.procs: list[Proc] = []
         self.ready: dict = {}
         self.coord: Proc | None = None
+        self.lr = lr
 
-    def run_toml(self, lr: float = 2e-3) -> Path:
+    def run_toml(self, lr: float | None = None) -> Path:
+        lr = self.lr if lr is None else lr
         learner = "\n".join(f"{k} = {v}" for k, v in self.settings.items())
         path = self.root / "run.toml"
         path.write_text(

@@ -1,0 +1,222 @@
+"""``python -m heterorl.bench.gpu_check``: the learner's CUDA path and checkpoint deltas at real model sizes.
+
+For a GPU machine (no vLLM, no network, no model weights needed). Model architectures by config with random
+initialisation (HF's, std 0.02): SmolLM2-135M's and a Qwen2-1.5B-sized LLaMA. Per size, on CUDA:
+
+- the micro-batched update (two-pass cotangent method, bf16 autocast) against the single-pass one: the largest
+  gradient difference relative to the largest gradient (not bit-exact under bf16: different matmul shapes);
+- real AdamW updates (GEPO on rollouts the model samples itself, random 0/1 rewards: a real policy gradient of
+  the right shape) at RL learning rates: seconds and peak memory per update, then per version the fraction of
+  bf16 words that changed, the sparse delta's size against the full bf16 checkpoint, encode and apply seconds
+  (the codec runs on the CPU) and a bit-exact rebuild.
+
+Random initialisation is not a trained model: trained weights spread wider, so a step of the same size
+flips fewer bf16 roundings; read the ratios as the shape of the curve, and ``heterorl bench weights`` (real
+SmolLM2 weights) as the measured figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+SIZES = {
+    "tiny-arch": dict(  # a smoke run on a CPU
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
+    "smollm2-135m-arch": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
+    "1.5b-arch": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def build(name: str, device: str) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SIZES[name], max_position_embeddings=2048, rms_norm_eps=1e-5)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=torch.float32)
+
+
+def rollouts(model, n_prompts: int, group: int, prompt_len: int, new_tokens: int, version: int):
+    """Completions sampled from the model (bf16 autocast), behaviour log-probs, random 0/1 rewards."""
+    from heterorl.peer.learner.update import Rows
+
+    dev = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    g = torch.Generator(device="cpu").manual_seed(version)
+    prompts = (
+        torch.randint(10, vocab, (n_prompts, prompt_len), generator=g).repeat_interleave(group, 0).to(dev)
+    )
+    with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        out = model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    comp = out.sequences[:, prompt_len:]
+    logits = torch.stack(out.logits, 1).float()
+    logq = torch.log_softmax(logits, -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)
+    n = comp.shape[0]
+    return Rows(
+        prompts=prompts.tolist(),
+        completions=comp.cpu(),
+        mask=torch.ones_like(comp).cpu(),
+        logq=logq.clamp_max(0).cpu(),
+        rewards=torch.randint(0, 2, (n,), generator=g).float(),
+        group_ids=torch.arange(n_prompts).repeat_interleave(group),
+        versions=torch.full((n,), version),
+    )
+
+
+def _update(model, opt, rows, version: int, mbt: int | None) -> dict:
+    from heterorl.peer.learner.update import update
+
+    return update(
+        model,
+        opt,
+        rows,
+        version=version,
+        objective="gepo",
+        advantage=None,
+        objective_params={},
+        temperature=1.0,
+        max_new_tokens=rows.completions.shape[1],
+        pad_id=0,
+        grad_clip=1.0,
+        micro_batch_tokens=mbt,
+    )
+
+
+def microbatch_agreement(model, rows) -> dict:
+    """Gradients of one update computed whole and in micro-batches (SGD at lr 0: nothing moves)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    _update(model, opt, rows, 0, None)
+    whole = [p.grad.detach().clone() for p in model.parameters()]
+    width = len(rows.prompts[0]) + rows.completions.shape[1]
+    stats = _update(model, opt, rows, 0, width * 4)
+    diff = max(float((p.grad - w).abs().max()) for p, w in zip(model.parameters(), whole, strict=True))
+    scale = max(float(w.abs().max()) for w in whole)
+    return {"micro_batches": stats["learner/micro_batches"], "max_grad_diff_rel": diff / scale}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def deltas(model, lr: float, updates: int, rollout_shape: tuple[int, int, int, int]) -> dict:
+    from heterorl.peer.daemon.weights import weights_bytes
+    from heterorl.protocol.delta import apply_delta, changed_fraction, encode_delta
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    prev = weights_bytes(model, "bfloat16")
+    rows_out, exact = [], True
+    for v in range(1, updates + 1):
+        rows = rollouts(model, *rollout_shape, version=v - 1)
+        _sync()
+        t = time.perf_counter()
+        stats = _update(model, opt, rows, v - 1, None)
+        _sync()
+        upd = time.perf_counter() - t
+        data = weights_bytes(model, "bfloat16")
+        t = time.perf_counter()
+        d = encode_delta(prev, data)
+        enc = time.perf_counter() - t
+        t = time.perf_counter()
+        ok = apply_delta(prev, d) == data
+        app = time.perf_counter() - t
+        exact &= ok
+        rows_out.append(
+            {
+                "version": v,
+                "update_s": upd,
+                "peak_mib": stats["mem/peak_mib"],
+                "changed_frac": changed_fraction(prev, data),
+                "delta_bytes": len(d),
+                "ratio": len(d) / len(data),
+                "encode_s": enc,
+                "apply_s": app,
+            }
+        )
+        print(json.dumps({"lr": lr, **rows_out[-1]}), flush=True)
+        prev = data
+    return {
+        "lr": lr,
+        "full_bytes": len(prev),
+        "delta_ratio": sum(r["ratio"] for r in rows_out) / len(rows_out),
+        "bit_identical": exact,
+        "versions": rows_out,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m heterorl.bench.gpu_check", description=__doc__)
+    ap.add_argument("--sizes", nargs="+", default=[k for k in SIZES if k != "tiny-arch"], choices=list(SIZES))
+    ap.add_argument("--device", default="cuda", help="cuda (what this is for) or cpu (a smoke run)")
+    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 5e-6])
+    ap.add_argument("--updates", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this check is for a GPU machine (--device cpu for a smoke run)")
+    dev_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    out = {"device": dev_name, "torch": torch.__version__, "models": {}}
+    shape = (args.prompts, args.group_size, args.prompt_len, args.new_tokens)
+    for name in args.sizes:
+        model = build(name, args.device)
+        res = {"params": sum(p.numel() for p in model.parameters())}
+        res["microbatch"] = microbatch_agreement(model, rollouts(model, *shape, version=0))
+        print(name, json.dumps(res), flush=True)
+        res["by_lr"] = []
+        for lr in args.lrs:
+            model = build(name, args.device)  # each learning rate from the same start
+            res["by_lr"].append(deltas(model, lr, args.updates, shape))
+            del model
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        out["models"][name] = res
+        print(name, json.dumps({k: v for k, v in res.items() if k != "by_lr"}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
