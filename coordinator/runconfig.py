@@ -54,7 +54,7 @@ buffer_batches = 16                # accepted batches kept waiting; beyond it sa
 # micro_batch_tokens = 16384       # tokens per forward pass (same gradient); absent: the whole update at once
 # gradient_checkpointing = false   # recompute activations in backward: less memory, ~30% more compute
 # checkpoint_dtype = "bfloat16"   # what checkpoints travel as (samplers' dtype); the learner trains float32
-deltas = true                      # also offer each version as a sparse delta against the one before
+deltas = 4                         # offer each version as sparse deltas against the 1st, 2nd, 4th, 8th last
 # tis_cap = 2.0                    # truncated IS against sampler/learner mismatch (fresh rows); absent: off
 
 [sampler]
@@ -70,8 +70,9 @@ class LearnerSettings:
     importance sampling against the sampler/learner mismatch on fresh rows (Yao et al. 2025); ``None``: off.
     checkpoint_dtype: what published checkpoints hold (the samplers' dtype; bf16 for real models on GPUs):
     the learner keeps training its float32 copy and publishes its rounding. deltas: offer each version also
-    as a sparse lossless delta against the previous one (protocol/delta.py); peers holding that one fetch
-    only the delta, everyone else the full state, which every manifest still signs.
+    as sparse lossless deltas (protocol/delta.py) against this many earlier published versions, the 1st,
+    2nd, 4th, 8th... most recent (0: full only); a peer holding one of them fetches the smallest delta,
+    everyone else the full state, which every manifest still signs.
     """
 
     prompts_per_update: int = 16
@@ -84,11 +85,11 @@ class LearnerSettings:
     gradient_checkpointing: bool = False
     tis_cap: float | None = None
     checkpoint_dtype: str = "float32"
-    deltas: bool = True
+    deltas: int = 4
 
     def __post_init__(self) -> None:
-        if not isinstance(self.deltas, bool):
-            raise ValueError(f"learner.deltas must be true or false, got {self.deltas!r}")
+        if isinstance(self.deltas, bool) or not isinstance(self.deltas, int) or not 0 <= self.deltas <= 8:
+            raise ValueError(f"learner.deltas must be an integer in [0, 8], got {self.deltas!r}")
         if self.checkpoint_dtype not in ("float32", "bfloat16"):
             raise ValueError(
                 f"learner.checkpoint_dtype must be float32 or bfloat16, got {self.checkpoint_dtype!r}"

@@ -71,6 +71,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         default=None,
         help="learner: tokens per forward pass (the gradient is the full update's); default: all at once",
     )
+    ap.add_argument(
+        "--checkpoint-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="what checkpoints travel as (the learner trains float32 and publishes its rounding)",
+    )
+    ap.add_argument(
+        "--no-deltas", action="store_true", help="publish every version in full only (no sparse deltas)"
+    )
     ap.add_argument("--model", default=None, help="model path or hub id (default: the tiny model)")
     ap.add_argument("--dashboard-port", type=int, default=0, help="0 picks a free port")
     ap.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
@@ -91,6 +100,7 @@ REAL_PRESET = {
     "max_new_tokens": 16,
     "lr": 5e-6,
     "micro_batch_tokens": 2048,
+    "checkpoint_dtype": "bfloat16",  # what samplers run; versions then travel as sparse bf16 deltas
     "out": "runs/demo-real",
 }
 
@@ -133,6 +143,8 @@ prompts_per_update = {args.prompts_per_update}
 group_size = {args.group_size}
 publish_every = {args.publish_every}
 {f"micro_batch_tokens = {args.micro_batch_tokens}" if args.micro_batch_tokens else ""}
+checkpoint_dtype = "{args.checkpoint_dtype}"
+deltas = {0 if args.no_deltas else 4}
 
 [sampler]
 prompts_per_batch = {args.prompts_per_batch}
@@ -278,11 +290,15 @@ def _summary(out: Path, samplers: list[Path], view: dict | None, wall: float) ->
         accepted, applied = ledger.count(), ledger.applied_count()
     per_sampler = {}
     for d in samplers:
-        versions = []
+        loads = []
         vf = d / "versions.jsonl"
         if vf.exists():
-            versions = [json.loads(line)["version"] for line in vf.read_text().splitlines()]
-        per_sampler[d.name] = {"versions_loaded": versions}
+            loads = [json.loads(line) for line in vf.read_text().splitlines() if line.strip()]
+        per_sampler[d.name] = {
+            "versions_loaded": [x["version"] for x in loads],
+            "fetched_bytes": sum(x.get("fetched_bytes", 0) for x in loads),
+            "fetched_via": dict(collections.Counter(x.get("via", "full") for x in loads)),
+        }
     curve = [r["reward/mean"] for r in rows]
     k = min(10, len(curve))
     return {
@@ -298,6 +314,8 @@ def _summary(out: Path, samplers: list[Path], view: dict | None, wall: float) ->
         "batches_rejected": final.get("rejected", 0),
         "rejections": final.get("rejected_by_reason", {}),
         "samplers": per_sampler,
+        # compressed delta bytes over full checkpoint bytes, over the versions the learner offered a delta for
+        "delta_ratio": next((r["delta_ratio"] for r in reversed(rows) if r.get("delta_ratio")), None),
         "wall_s": wall,
         "peers_seen": len(view.get("peers", [])) if view else None,
     }

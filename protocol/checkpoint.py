@@ -30,6 +30,7 @@ CHUNK_BYTES = 4 << 20
 MIN_CHUNK_BYTES = 4 << 10
 MAX_CHUNK_BYTES = 64 << 20
 MAX_CHUNKS = 1 << 16  # the CheckpointManifest schema's cap on chunk_hashes
+MAX_DELTAS = 8  # and on its deltas (messages.MAX_DELTAS)
 
 
 def _check_chunk_bytes(chunk_bytes: int) -> int:
@@ -106,52 +107,55 @@ def add_delta(body: dict, base_version: int, delta: bytes, codec: str) -> list[b
     The delta is cut like the checkpoint (``body["chunk_bytes"]``); ``chunk_hashes`` stay the full state's,
     so whoever applies the delta checks the result chunk by chunk against what the learner signed.
     """
-    if not 0 <= base_version < body["version"]:
-        raise ValueError(f"a delta for version {body['version']} needs an older base, got {base_version}")
+    deltas = body.setdefault("deltas", [])
+    if not 0 <= base_version < body["version"] or any(d["base_version"] == base_version for d in deltas):
+        raise ValueError(f"a delta for version {body['version']} needs a new, older base, got {base_version}")
+    if len(deltas) >= MAX_DELTAS:
+        raise ValueError(f"a manifest offers at most {MAX_DELTAS} deltas")
     chunks = split(delta, body["chunk_bytes"])
     if not chunks or len(chunks) > MAX_CHUNKS:
         raise ValueError(f"a delta of {len(delta)} bytes does not fit a manifest")
-    body["delta"] = {
-        "base_version": base_version,
-        "codec": codec,
-        "chunk_hashes": [chunk_hash(c) for c in chunks],
-        "total_size": len(delta),
-    }
+    deltas.append(
+        {
+            "base_version": base_version,
+            "codec": codec,
+            "chunk_hashes": [chunk_hash(c) for c in chunks],
+            "total_size": len(delta),
+        }
+    )
     return chunks
 
 
-def delta_part(body: dict) -> dict | None:
-    """The delta of manifest ``body`` as a manifest-like part (chunk_hashes, total_size, chunk_bytes) for
-    :func:`chunk_length`, :func:`verify_chunk` and :func:`assemble`; None for a full-only version."""
-    d = body.get("delta")
-    if d is None:
-        return None
+def delta_part(body: dict, delta: dict) -> dict:
+    """One of manifest ``body``'s deltas as a manifest-like part (chunk_hashes, total_size, chunk_bytes) for
+    :func:`chunk_length`, :func:`verify_chunk` and :func:`assemble`."""
     return {
-        "chunk_hashes": d["chunk_hashes"],
-        "total_size": d["total_size"],
+        "chunk_hashes": delta["chunk_hashes"],
+        "total_size": delta["total_size"],
         "chunk_bytes": body["chunk_bytes"],
     }
 
 
 def referenced_hashes(body: dict) -> list[bytes]:
-    """Every chunk a manifest names: its full state's, then its delta's."""
-    d = body.get("delta")
-    return list(body["chunk_hashes"]) + (list(d["chunk_hashes"]) if d else [])
+    """Every chunk a manifest names: its full state's, then its deltas'."""
+    return list(body["chunk_hashes"]) + [h for d in body.get("deltas", ()) for h in d["chunk_hashes"]]
 
 
 def check_manifest(body: dict) -> None:
     """Raise ProtocolError unless the chunk count, chunk size and total size of ``body`` agree.
 
     The schema checks each field alone; this checks them together:
-    ``len(chunk_hashes) == ceil(total_size / chunk_bytes)``, and the same for a delta, whose base must be
-    an older version.
+    ``len(chunk_hashes) == ceil(total_size / chunk_bytes)``, and the same for each delta, whose base must be
+    an older version, each named once.
     """
     _check_part(body)
-    d = body.get("delta")
-    if d is not None:
+    bases = [d["base_version"] for d in body.get("deltas", ())]
+    if len(set(bases)) != len(bases) or len(bases) > MAX_DELTAS:
+        raise ProtocolError(f"manifest deltas name the bases {bases}: at most {MAX_DELTAS}, each once")
+    for d in body.get("deltas", ()):
         if not 0 <= d["base_version"] < body["version"]:
             raise ProtocolError(f"delta base {d['base_version']} is not older than version {body['version']}")
-        _check_part(delta_part(body), "delta ")
+        _check_part(delta_part(body, d), "delta ")
 
 
 def _check_part(body: dict, what: str = "") -> None:

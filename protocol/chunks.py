@@ -138,7 +138,8 @@ class FetchReport:
     seconds: float = 0.0
     from_provider: dict[str, int] = dataclasses.field(default_factory=dict)
     bad_providers: list[str] = dataclasses.field(default_factory=list)
-    via: str = "full"  # "delta" when rebuilt from the delta against a held version
+    via: str = "full"  # "delta" when rebuilt from a delta against a held version
+    delta_base: int = -1  # that version
     delta_error: str = ""  # why a delta was refused (the full state was fetched instead)
 
 
@@ -254,8 +255,9 @@ class CheckpointFetch:
 
     async def run(self, manifest_raw: bytes, *, use_delta: bool = True) -> FetchReport:
         missing = await self.plan()
-        if missing and use_delta and await self.delta_worthwhile(missing):
-            await self.try_delta()
+        delta = await self.pick_delta(missing) if missing and use_delta else None
+        if delta is not None:
+            await self.try_delta(delta)
         missing = await asyncio.to_thread(self.store.missing, self.body)
         if missing:
             await Download(self, self.body, missing).run()
@@ -268,26 +270,27 @@ class CheckpointFetch:
         r.reused_bytes = r.total_bytes - sum(chunk_length(self.body, i) for i in missing)
         return missing
 
-    async def delta_worthwhile(self, missing: list[int]) -> bool:
-        d = self.body.get("delta")
-        if d is None or d["codec"] != delta_codec.CODEC:
-            return False
-        if await asyncio.to_thread(self.store.body, d["base_version"]) is None:
-            log.debug(
-                "version %d: base %d of its delta not held; fetching in full", self.version, d["base_version"]
-            )
-            return False
-        return d["total_size"] < sum(chunk_length(self.body, i) for i in missing)
+    async def pick_delta(self, missing: list[int]) -> dict | None:
+        """The smallest offered delta whose base this store holds, if it costs less than what is missing."""
+        held = set(await asyncio.to_thread(self.store.versions))
+        offered = self.body.get("deltas", [])
+        usable = [d for d in offered if d["base_version"] in held and d["codec"] == delta_codec.CODEC]
+        best = min(usable, key=lambda d: d["total_size"], default=None)
+        if best is None:
+            if offered:
+                log.debug("version %d: no delta against a version held here; fetching in full", self.version)
+            return None
+        return best if best["total_size"] < sum(chunk_length(self.body, i) for i in missing) else None
 
-    async def try_delta(self) -> None:
-        """Fetch the delta and rebuild the full state from it; on a refused delta the full fetch follows."""
-        part = delta_part(self.body)
+    async def try_delta(self, delta: dict) -> None:
+        """Fetch ``delta`` and rebuild the full state from it; on a refused delta the full fetch follows."""
+        part = delta_part(self.body, delta)
         try:
             todo = await asyncio.to_thread(self.store.missing, part)
             if todo:
                 await Download(self, part, todo).run()
-            await asyncio.to_thread(rebuild_from_delta, self.store, self.body)
-            self.report.via = "delta"
+            await asyncio.to_thread(rebuild_from_delta, self.store, self.body, delta)
+            self.report.via, self.report.delta_base = "delta", delta["base_version"]
         except delta_codec.DeltaError as e:  # the learner signed it, so no provider is to blame
             log.error("version %d: delta refused (%s); fetching the full state", self.version, e)
             self.report.delta_error = str(e)
@@ -301,22 +304,18 @@ class CheckpointFetch:
         await _announce(self.node, self.run_id, self.version, complete=True)
 
 
-def rebuild_from_delta(store: ChunkStore, body: dict) -> None:
-    """Apply the (held) delta of ``body`` to its (held) base and store the full state's chunks; DeltaError if
-    the result is not, chunk for chunk, the state the manifest signs. Chunks are stored one by one, each
-    atomically, and the manifest only after: a peer killed here keeps its last good version."""
-    base = store.assemble(body["delta"]["base_version"])
-    delta = store.assemble_part(delta_part(body), f"version {body['version']} delta")
-    state = delta_codec.apply_delta(base, delta)
+def rebuild_from_delta(store: ChunkStore, body: dict, delta: dict) -> None:
+    """Apply ``delta`` (one of ``body``'s, held) to its base (held) and store the full state's chunks;
+    DeltaError unless the result is, chunk for chunk, the state the manifest signs. Chunks are stored one by
+    one, each atomically, and the manifest only after: a peer killed here keeps its last good version."""
+    base = store.assemble(delta["base_version"])
+    data = store.assemble_part(delta_part(body, delta), f"version {body['version']} delta")
+    state = delta_codec.apply_delta(base, data)
     chunks = split(state, body["chunk_bytes"])
     if len(state) != body["total_size"] or [chunk_hash(c) for c in chunks] != body["chunk_hashes"]:
         raise delta_codec.DeltaError("it reconstructs a state other than the one the manifest signs")
     pause = float(os.environ.get(SLOW_REBUILD_ENV, "0") or 0)
-    log.info(
-        "version %d: rebuilt from the delta against version %d",
-        body["version"],
-        body["delta"]["base_version"],
-    )
+    log.info("version %d: rebuilt from the delta against version %d", body["version"], delta["base_version"])
     for h, c in zip(body["chunk_hashes"], chunks, strict=True):
         store.put(h, c)
         if pause:

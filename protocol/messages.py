@@ -26,6 +26,7 @@ MAX_TEXT = 4096
 BATCH_ID_BYTES = 16
 MAX_STATS = 64
 HASH_BYTES = 32
+MAX_DELTAS = 8  # a manifest offers its version as a delta against at most this many older versions
 
 _token_ids = s.array(s.integer(0, 1 << 31), MAX_TOKENS)
 _run_id = s.text(128)
@@ -67,16 +68,20 @@ SCHEMAS: dict[str, s.Check] = {
             "dtype": s.text(16),
             "chunk_bytes": s.integer(4096, 64 << 20),  # all chunks but the last; see checkpoint.py
         },
-        # the version also as a sparse delta against its parent (delta.py), in chunks of chunk_bytes; the
-        # chunk_hashes above stay the full state, which a peer reconstructs from the delta and checks
+        # the version also as sparse deltas against older versions (delta.py), in chunks of chunk_bytes; the
+        # chunk_hashes above stay the full state, which a peer rebuilds from a delta and checks
         optional={
-            "delta": s.record(
-                {
-                    "base_version": s.integer(0, 1 << 53),
-                    "codec": s.text(32),
-                    "chunk_hashes": s.array(s.binary(HASH_BYTES, HASH_BYTES), 1 << 16, min_len=1),
-                    "total_size": s.integer(1, 1 << 45),
-                }
+            "deltas": s.array(
+                s.record(
+                    {
+                        "base_version": s.integer(0, 1 << 53),
+                        "codec": s.text(32),
+                        "chunk_hashes": s.array(s.binary(HASH_BYTES, HASH_BYTES), 1 << 16, min_len=1),
+                        "total_size": s.integer(1, 1 << 45),
+                    }
+                ),
+                MAX_DELTAS,
+                min_len=1,
             )
         },
     ),

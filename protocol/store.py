@@ -72,8 +72,8 @@ def _sidecar(body: dict) -> dict:
         "dtype": body["dtype"],
         "chunk_hashes": [h.hex() for h in body["chunk_hashes"]],
     }
-    if "delta" in body:
-        side["delta"] = {**body["delta"], "chunk_hashes": [h.hex() for h in body["delta"]["chunk_hashes"]]}
+    if "deltas" in body:
+        side["deltas"] = [{**d, "chunk_hashes": [h.hex() for h in d["chunk_hashes"]]} for d in body["deltas"]]
     return side
 
 
@@ -87,11 +87,10 @@ def _hashes_of_hex(hexes: list[str]) -> list[bytes]:
 def _body_of_sidecar(side: dict) -> dict:
     body = dict(side)
     body["chunk_hashes"] = _hashes_of_hex(side["chunk_hashes"])
-    if "delta" in side:
-        body["delta"] = {**side["delta"], "chunk_hashes": _hashes_of_hex(side["delta"]["chunk_hashes"])}
+    if "deltas" in side:
+        body["deltas"] = [{**d, "chunk_hashes": _hashes_of_hex(d["chunk_hashes"])} for d in side["deltas"]]
     checkpoint.check_manifest(body)
     return body
-
 
 
 class ChunkStore:
@@ -268,8 +267,8 @@ class ChunkStore:
             if b is None:
                 return None
             out = {**b, "chunk_hashes": list(b["chunk_hashes"])}
-            if "delta" in b:
-                out["delta"] = {**b["delta"], "chunk_hashes": list(b["delta"]["chunk_hashes"])}
+            if "deltas" in b:
+                out["deltas"] = [{**d, "chunk_hashes": list(d["chunk_hashes"])} for d in b["deltas"]]
             return out
 
     def versions(self) -> list[int]:

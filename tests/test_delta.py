@@ -165,3 +165,43 @@ def test_layout_refuses_malformed_safetensors():
     header = b'{"t":{"dtype":"BF16","shape":[4],"data_offsets":[0,6]}}'
     with pytest.raises(DeltaError, match="offsets"):
         layout(len(header).to_bytes(8, "little") + header + bytes(8))
+
+
+def test_manifest_deltas_are_checked_together_and_survive_the_store(tmp_path):
+    from heterorl.protocol import Identity, ProtocolError, encode
+    from heterorl.protocol.checkpoint import add_delta, check_manifest, manifest_body, referenced_hashes
+    from heterorl.protocol.delta import CODEC
+    from heterorl.protocol.store import ChunkStore
+
+    ident = Identity.generate()
+    store = ChunkStore(tmp_path / "s", max_bytes=1 << 30)
+    states = [_bytes(_step(_state(), 1e-3 * v, seed=v), torch.bfloat16) for v in range(3)]
+    bodies = []
+    for v, data in enumerate(states):
+        body, chunks = manifest_body("r", v, v - 1, data, "bfloat16", 4096)
+        for base in range(v):  # a delta against every older version
+            chunks += add_delta(body, base, encode_delta(states[base], data), CODEC)
+        for h, c in zip(referenced_hashes(body), chunks, strict=True):
+            store.put(h, c)
+        store.add_manifest(encode("CheckpointManifest", body, ident), body)
+        bodies.append(body)
+    again = ChunkStore(tmp_path / "s", max_bytes=1 << 30)  # reopened: the sidecar keeps the deltas
+    assert again.body(2) == bodies[2] and [d["base_version"] for d in again.body(2)["deltas"]] == [0, 1]
+    for d in bodies[2]["deltas"]:
+        from heterorl.protocol.checkpoint import delta_part
+
+        assert (
+            apply_delta(again.assemble(d["base_version"]), again.assemble_part(delta_part(bodies[2], d)))
+            == (states[2])
+        )
+    with pytest.raises(ValueError, match="new, older base"):
+        add_delta(dict(bodies[2]), 1, b"x", CODEC)
+    bad = {**bodies[2], "deltas": [bodies[2]["deltas"][0]] * 2}
+    with pytest.raises(ProtocolError, match="each once"):
+        check_manifest(bad)
+    bad = {**bodies[1], "deltas": [{**bodies[1]["deltas"][0], "base_version": 1}]}
+    with pytest.raises(ProtocolError, match="not older"):
+        check_manifest(bad)
+    bad = {**bodies[1], "deltas": [{**bodies[1]["deltas"][0], "total_size": 10**7}]}
+    with pytest.raises(ProtocolError, match="delta chunks"):
+        check_manifest(bad)

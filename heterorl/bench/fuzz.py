@@ -197,11 +197,15 @@ SPEC: dict[str, _Rec] = {
         dtype=_Text(16),
         chunk_bytes=_Int(4096, 64 << 20),
         _optional={
-            "delta": _rec(
-                base_version=_Int(0, 1 << 53),
-                codec=_Text(32),
-                chunk_hashes=_List(_Bin(HASH_BYTES, HASH_BYTES), 1, 1 << 16),
-                total_size=_Int(1, 1 << 45),
+            "deltas": _List(
+                _rec(
+                    base_version=_Int(0, 1 << 53),
+                    codec=_Text(32),
+                    chunk_hashes=_List(_Bin(HASH_BYTES, HASH_BYTES), 1, 1 << 16),
+                    total_size=_Int(1, 1 << 45),
+                ),
+                1,
+                8,
             )
         },
     ),

@@ -71,9 +71,9 @@ def build_version(
     delta: bool = False,
     bad_delta: bool = False,
 ):
-    """Serialise (as ``dtype``), chunk into ``store`` and sign the manifest, with a sparse delta against
-    ``parent`` when ``delta`` (``bad_delta``: one that rebuilds a state off by one word, signed anyway, as a
-    buggy learner would); returns (manifest_raw, body). Data first."""
+    """Serialise (as ``dtype``), chunk into ``store`` and sign the manifest, with sparse deltas against the
+    (up to 8) newest versions in ``store`` when ``delta`` (``bad_delta``: ones that rebuild a state off by
+    one word, signed anyway, as a buggy learner would); returns (manifest_raw, body). Data first."""
     import torch
 
     from heterorl.protocol import encode
@@ -82,11 +82,11 @@ def build_version(
 
     data = serialize_state_dict({k: v.to(getattr(torch, dtype)) for k, v in state.items()})
     body, chunks = manifest_body(run_id, version, parent, data, dtype, chunk_bytes)
-    if delta and parent >= 0:
-        target = bytearray(data)
-        if bad_delta:
-            target[-1] ^= 1
-        chunks += add_delta(body, parent, encode_delta(store.assemble(parent), bytes(target)), CODEC)
+    target = bytearray(data)
+    if bad_delta:
+        target[-1] ^= 1
+    for base in sorted(store.versions(), reverse=True)[:8] if delta else ():  # the newest first
+        chunks += add_delta(body, base, encode_delta(store.assemble(base), bytes(target)), CODEC)
     for h, c in zip(referenced_hashes(body), chunks, strict=True):
         store.put(h, c)
     return encode("CheckpointManifest", body, identity), body
@@ -134,7 +134,8 @@ def cmd_seed(args) -> None:
             sha256=hashlib.sha256(store.assemble(version)).hexdigest(),
             manifest=raw.hex(),
             total_size=body["total_size"],
-            delta_size=body["delta"]["total_size"] if "delta" in body else None,
+            delta_size=body["deltas"][0]["total_size"] if "deltas" in body else None,  # the newest base's
+            delta_sizes={str(d["base_version"]): d["total_size"] for d in body.get("deltas", ())},
             chunks=len(body["chunk_hashes"]),
         )
         if args.interval:
@@ -210,6 +211,7 @@ def cmd_fetch(args) -> None:
             bad_providers=report.bad_providers,
             from_provider=report.from_provider,
             via=report.via,
+            delta_base=report.delta_base,
             delta_error=report.delta_error,
         )
     if args.serve:
@@ -366,7 +368,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--change-frac", type=float, default=0.1)
     s.add_argument("--upload-mbps", type=float, default=0, help="upload cap in Mbit/s (0: none)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="published dtype")
-    s.add_argument("--deltas", action="store_true", help="offer each version as a delta against the last")
+    s.add_argument(
+        "--deltas", action="store_true", help="offer each version as deltas against the older ones"
+    )
     s.add_argument("--step-lr", type=float, default=0, help="versions move every element by this (0: off)")
     s.add_argument("--bad-delta", type=int, nargs="*", default=[], help="versions whose delta rebuilds wrong")
     s.add_argument("--interval", type=float, default=0, help="seconds between versions")

@@ -163,8 +163,8 @@ class Learner:
             parent = self.published_version if self.published_version >= 0 else max(older, default=-1)
             data = weights_bytes(self.model, s.learner.checkpoint_dtype)
             body, chunks = manifest_body(s.run_id, self.step, parent, data, s.learner.checkpoint_dtype)
-            if s.learner.deltas and parent >= 0:
-                chunks += self._delta(body, parent, data)
+            if s.learner.deltas:
+                chunks += self._deltas(body, older, data)
             for h, c in zip(referenced_hashes(body), chunks, strict=True):
                 self.store.put(h, c)
             raw = encode("CheckpointManifest", body, self.identity)
@@ -175,20 +175,29 @@ class Learner:
         self.announcer.announce(raw, body)  # in the background: training goes on
         self.publish_s.update({"save": t1 - t0, "build": t2 - t1, "announce": time.perf_counter() - t2})
 
-    def _delta(self, body: dict, parent: int, data: bytes) -> list[bytes]:
-        """Offer version ``body`` also as a sparse delta against ``parent``: its chunks (none when the parent
-        is gone from the store or the delta would not save at least half the bytes)."""
-        try:
-            base = self.store.assemble(parent)
-            delta = encode_delta(base, data)
-        except (KeyError, ProtocolError) as e:  # evicted, or another layout: full only
-            log.info("version %d published in full only: %s", body["version"], e)
-            return []
-        if len(delta) > len(data) // 2:
-            return []
-        self.delta_bytes += len(delta)
-        self.full_bytes += len(data)
-        return add_delta(body, parent, delta, DELTA_CODEC)
+    def _deltas(self, body: dict, older: list[int], data: bytes) -> list[bytes]:
+        """Offer version ``body`` also as sparse deltas against the 1st, 2nd, 4th, 8th... most recent of the
+        ``older`` published versions (``learner.deltas`` of them), so a peer a few versions behind still
+        fetches a delta; returns their chunks. A base gone from the store, or a delta that would not save
+        half the bytes, is skipped."""
+        newest_first = sorted(older, reverse=True)
+        bases = [
+            newest_first[(1 << i) - 1] for i in range(self.settings.learner.deltas) if (1 << i) <= len(older)
+        ]
+        chunks: list[bytes] = []
+        for base in bases:
+            try:
+                delta = encode_delta(self.store.assemble(base), data)
+            except (KeyError, ProtocolError) as e:  # evicted, or another layout: no delta from it
+                log.info("version %d: no delta against version %d: %s", body["version"], base, e)
+                continue
+            if len(delta) > len(data) // 2:
+                continue
+            if base == newest_first[0]:
+                self.delta_bytes += len(delta)
+                self.full_bytes += len(data)
+            chunks += add_delta(body, base, delta, DELTA_CODEC)
+        return chunks
 
     # ---- training ----
 
@@ -266,6 +275,7 @@ class Learner:
             "replayed": self.replayed,
             "publish_failures": self.announcer.failures,
             "wait_frac": self.wait_s / max(1e-9, self.wait_s + self.train_s),
+            **({"delta_ratio": self.delta_bytes / self.full_bytes} if self.full_bytes else {}),
             **{f"stale:{b}": self.staleness.get(b, 0) for b in STALENESS_BUCKETS},
         }
         for k in (
