@@ -54,7 +54,7 @@ buffer_batches = 16                # accepted batches kept waiting; beyond it sa
 # micro_batch_tokens = 16384       # tokens per forward pass (same gradient); absent: the whole update at once
 # gradient_checkpointing = false   # recompute activations in backward: less memory, ~30% more compute
 # checkpoint_dtype = "bfloat16"   # what checkpoints travel as (samplers' dtype); the learner trains float32
-deltas = 4                         # offer each version as sparse deltas against the 1st, 2nd, 4th, 8th last
+deltas = 4                         # offer each version as sparse deltas against the 4 versions before it
 # tis_cap = 2.0                    # truncated IS against sampler/learner mismatch (fresh rows); absent: off
 
 [sampler]
@@ -70,9 +70,9 @@ class LearnerSettings:
     importance sampling against the sampler/learner mismatch on fresh rows (Yao et al. 2025); ``None``: off.
     checkpoint_dtype: what published checkpoints hold (the samplers' dtype; bf16 for real models on GPUs):
     the learner keeps training its float32 copy and publishes its rounding. deltas: offer each version also
-    as sparse lossless deltas (protocol/delta.py) against this many earlier published versions, the 1st,
-    2nd, 4th, 8th... most recent (0: full only); a peer holding one of them fetches the smallest delta,
-    everyone else the full state, which every manifest still signs.
+    as sparse lossless deltas (protocol/delta.py) against each of this many most recent published versions
+    (0: full only); a peer holding one of them fetches the smallest delta, everyone else the full state,
+    which every manifest still signs.
     """
 
     prompts_per_update: int = 16

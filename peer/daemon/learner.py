@@ -176,14 +176,12 @@ class Learner:
         self.publish_s.update({"save": t1 - t0, "build": t2 - t1, "announce": time.perf_counter() - t2})
 
     def _deltas(self, body: dict, older: list[int], data: bytes) -> list[bytes]:
-        """Offer version ``body`` also as sparse deltas against the 1st, 2nd, 4th, 8th... most recent of the
-        ``older`` published versions (``learner.deltas`` of them), so a peer a few versions behind still
-        fetches a delta; returns their chunks. A base gone from the store, or a delta that would not save
-        half the bytes, is skipped."""
+        """Offer version ``body`` also as sparse deltas against each of the ``learner.deltas`` most recent
+        ``older`` published versions, so a peer up to that many versions behind still fetches one delta;
+        returns their chunks. A base gone from the store, or a delta that would not save half the bytes, is
+        skipped."""
         newest_first = sorted(older, reverse=True)
-        bases = [
-            newest_first[(1 << i) - 1] for i in range(self.settings.learner.deltas) if (1 << i) <= len(older)
-        ]
+        bases = newest_first[: self.settings.learner.deltas]
         chunks: list[bytes] = []
         for base in bases:
             try:
