@@ -272,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
             "throughput",
             "speed side by side: vs TRL GRPOTrainer, plain generate, plain CE step; swarm vs one process",
         ),
+        (
+            "weights",
+            "weights",
+            "sparse bf16 checkpoint deltas on real RL updates (tiny, SmolLM2): bytes, ratio, exactness",
+        ),
     ):
         bp = bsub.add_parser(name, help=text, description=text)
         _bench_module(module).add_arguments(bp)

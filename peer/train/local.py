@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -63,8 +64,18 @@ class LocalConfig:
             raise ValueError(f"chat must be one of {', '.join(CHAT_MODES)}, got {self.chat!r}")
 
 
-def run_local(cfg: LocalConfig, out: str | Path, progress: bool = True) -> dict:
-    """Run the loop, write ``metrics.jsonl``, ``summary.json`` and ``checkpoint/``; return the summary."""
+def run_local(
+    cfg: LocalConfig,
+    out: str | Path,
+    progress: bool = True,
+    on_update: Callable[[int, torch.nn.Module, dict], None] | None = None,
+    save_checkpoint: bool = True,
+) -> dict:
+    """Run the loop, write ``metrics.jsonl``, ``summary.json`` and ``checkpoint/``; return the summary.
+
+    ``on_update(step, policy, stats)`` is called once before the first update (step -1, empty stats) and after
+    every update (what ``heterorl bench weights`` measures checkpoints on).
+    """
     from tqdm import tqdm
 
     out = Path(out)
@@ -88,6 +99,8 @@ def run_local(cfg: LocalConfig, out: str | Path, progress: bool = True) -> dict:
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
 
     reward_curve: list[float] = []
+    if on_update is not None:
+        on_update(-1, policy, {})
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc=f"{cfg.objective} delay={cfg.delay}", disable=not progress)
     with (out / "metrics.jsonl").open("w") as metrics:
@@ -134,6 +147,8 @@ def run_local(cfg: LocalConfig, out: str | Path, progress: bool = True) -> dict:
                 gradient_checkpointing=cfg.gradient_checkpointing,
             )
             lag.step()
+            if on_update is not None:
+                on_update(step, policy, stats)
 
             mean_r = stats["reward/mean"]
             reward_curve.append(mean_r)
@@ -149,8 +164,9 @@ def run_local(cfg: LocalConfig, out: str | Path, progress: bool = True) -> dict:
             bar.set_postfix(reward=f"{mean_r:.2f}", stale=row["staleness"], ess=f"{stats['is/ess']:.2f}")
     backend.close()
 
-    policy.save_pretrained(out / "checkpoint", safe_serialization=True)
-    tok.save_pretrained(out / "checkpoint")
+    if save_checkpoint:
+        policy.save_pretrained(out / "checkpoint", safe_serialization=True)
+        tok.save_pretrained(out / "checkpoint")
     k = min(20, len(reward_curve))
     summary = {
         "objective": cfg.objective,
