@@ -161,3 +161,107 @@ def test_cli_prints_a_table_and_writes_json(tmp_path):
         cmd[:-2] + ["--fleet", str(tmp_path / "missing.json")], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "error" in bad.stdout
+
+
+def _bench_json(tmp_path, models: dict):
+    f = tmp_path / "w.json"
+    f.write_text(json.dumps({"models": models}))
+    return f
+
+
+def test_delta_ratio_is_a_number_or_read_from_bench_weights_json(tmp_path):
+    from heterorl.sim.cli import delta_ratio
+
+    assert delta_ratio("0.005") == (0.005, "given")
+    f = _bench_json(
+        tmp_path,
+        {
+            "tiny": {"delta_ratio": 0.31, "bit_identical": True, "lr": 5e-4},
+            "smollm2-135m": {"delta_ratio": 0.004, "bit_identical": True, "lr": 1e-6},
+        },
+    )
+    r, src = delta_ratio(str(f))  # default: the model named *smol*
+    assert r == 0.004 and "smollm2-135m" in src and "1e-06" in src
+    assert delta_ratio(f"{f}:tiny")[0] == 0.31
+    with pytest.raises(ValueError, match="no model 'big'; models: smollm2-135m, tiny"):
+        delta_ratio(f"{f}:big")
+    only_tiny = _bench_json(tmp_path, {"tiny": {"delta_ratio": 0.31}, "other": {"delta_ratio": 0.2}})
+    with pytest.raises(ValueError, match=r"no model named \*smol\*.*other, tiny"):
+        delta_ratio(str(only_tiny))
+    with pytest.raises(ValueError, match="no numeric delta_ratio"):
+        delta_ratio(f"{_bench_json(tmp_path, {'smol': {'delta_ratio': None}})}")
+    with pytest.raises(ValueError, match="must lie in"):
+        delta_ratio("1.5")
+    with pytest.raises(ValueError, match="not a number"):
+        delta_ratio(str(tmp_path / "missing.json"))
+    bad = _bench_json(tmp_path, {"smol": {"delta_ratio": 0.01, "bit_identical": False}})
+    assert "WARNING" in delta_ratio(str(bad))[1]
+
+
+def test_a_delta_chain_costs_its_deltas_until_the_full_checkpoint_is_cheaper():
+    sim = _sim(delta_ratio=0.01)
+    full = sum(sim.chunk_sizes)
+    assert sim._fetch_bytes(None, 7) == full  # a newcomer holds nothing
+    assert sim._fetch_bytes(6, 7) == int(0.01 * sim.cfg.model_bytes)  # the parent held: one delta
+    assert sim._fetch_bytes(2, 7) == int(5 * 0.01 * sim.cfg.model_bytes)  # five versions behind: five deltas
+    assert sim._fetch_bytes(7 - 150, 7) == full  # 150 deltas would cost more than the full checkpoint
+    # a version published every 4 updates carries 4 updates' deltas
+    assert _sim(delta_ratio=0.01, publish_every=4)._fetch_bytes(4, 8) == int(4 * 0.01 * sim.cfg.model_bytes)
+    # a run offering deltas against only the 4 versions before: 5 behind fetches in full
+    bases = _sim(delta_ratio=0.01, delta_bases=4)
+    assert bases._fetch_bytes(3, 7) < full and bases._fetch_bytes(2, 7) == full
+    with pytest.raises(ValueError, match="give one"):
+        SimConfig(delta_ratio=0.01, changed_frac=0.5)
+    # small deltas free a slow link: far fewer bytes and far less time fetching than full checkpoints
+    slow_full = _sim(fleet=(SLOW_LINK,), samplers=4).run()
+    slow_delta = _sim(fleet=(SLOW_LINK,), samplers=4, delta_ratio=0.005).run()
+    assert slow_delta["sampler_GB_per_h"]["down_median"] < 0.2 * slow_full["sampler_GB_per_h"]["down_median"]
+    assert slow_delta["sampler_time"]["fetching"] < 0.5 * slow_full["sampler_time"]["fetching"]
+    assert slow_delta["counts"]["fetched_delta"] > 0
+
+
+def test_the_stop_rule_bounds_staleness_and_counts_paused_time():
+    # slow links, no churn, one batch in flight: with background fetch and no stop rule samplers keep
+    # generating with a version far behind; with --max-lag they pause until the fetch caught them up
+    kw = dict(fleet=(SLOW_LINK,), samplers=6, hours=0.5, churn=False, background_fetch=True, max_pending=1)
+    free_sim = _sim(max_lag=-1, busy_pause=False, **kw)
+    free = free_sim.run()
+    capped_sim = _sim(max_lag=3, **kw)
+    capped = capped_sim.run()
+    # no batch starts more than max_lag versions behind the newest published one
+    assert capped["generation_lag"]["max"] <= 3 < free["generation_lag"]["max"]
+    assert capped["generation_lag"]["mean"] < free["generation_lag"]["mean"]
+    # the learner's view adds time in outboxes ("busy" backoff) and its buffer: lower, not capped
+    assert capped["staleness"]["p99"] < free["staleness"]["p99"]
+    assert capped["staleness"]["max"] < free["staleness"]["max"]
+    assert capped["sampler_time"]["paused (behind)"] > 0.2
+    assert "paused (behind)" not in free["sampler_time"]
+    _books_balance(capped_sim, capped)
+    _books_balance(free_sim, free)
+    # an oversupplied learner says "busy": the stop rule waits for the retry time instead of generating
+    busy = _sim(samplers=30, background_fetch=True).run()
+    assert busy["sampler_time"]["paused (busy)"] > 0.1
+    assert (
+        busy["counts"]["batches_generated"]
+        < _sim(samplers=30, background_fetch=True, busy_pause=False).run()["counts"]["batches_generated"]
+    )
+
+
+def test_cli_delta_ratio_from_json_and_exclusive_options(tmp_path):
+    f = _bench_json(tmp_path, {"smollm2-135m": {"delta_ratio": 0.004, "bit_identical": True, "lr": 1e-6}})
+    base = [sys.executable, "-m", "heterorl.cli", "simulate", "--samplers", "5", "--hours", "0.1"]
+    base += ["--warmup-h", "0.02", "--model-bytes", "1e8"]
+    done = subprocess.run(
+        base + ["--delta-ratio", str(f), "--background-fetch"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "0.004 of the checkpoint per update (smollm2-135m at lr 1e-06" in done.stdout
+    assert "stop rule max_lag 8" in done.stdout and "| 5 |" in done.stdout
+    both = subprocess.run(
+        base + ["--delta-ratio", "0.01", "--changed-frac", "0.1"], capture_output=True, text=True
+    )
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+    missing = subprocess.run(base + ["--delta-ratio", f"{f}:big"], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no model 'big'; models: smollm2-135m" in missing.stdout
+    lag = subprocess.run(base + ["--max-lag", "4"], capture_output=True, text=True)
+    assert lag.returncode == 2 and "--background-fetch" in lag.stdout

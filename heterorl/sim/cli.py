@@ -8,17 +8,70 @@ of real signed messages. It reports the staleness distribution the learner sees,
 Give several --samplers values to see how the run scales; --json keeps every figure. The default fleet
 (--fleet to replace it) and learner speed are assumptions for a 1.5B-parameter model, stated in --help.
 
+A checkpoint switch costs either sparse bf16 deltas (--delta-ratio: a number, or the ratio `heterorl bench
+weights --json FILE` measured) or the changed chunks of the older chunk model (--changed-frac); by default the
+full checkpoint every time.
+
 example:
   heterorl simulate --samplers 100 1000 3000 --hours 2
   heterorl simulate --samplers 1000 --publish-every 10 --changed-frac 0.05
+  heterorl bench weights --json w.json; heterorl simulate --samplers 1000 --delta-ratio w.json
+  heterorl simulate --samplers 1000 --delta-ratio w.json:tiny --background-fetch --max-lag 16
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
+
+
+def delta_ratio(spec: str) -> tuple[float, str]:
+    """``--delta-ratio``: a number, or ``FILE.json[:model]`` written by ``heterorl bench weights --json``
+    (``models[model]["delta_ratio"]``; without ``:model`` the one model whose name contains "smol").
+    Returns the ratio and where it came from; ValueError says what is wrong."""
+    try:
+        r, src = float(spec), "given"
+    except ValueError:
+        r, src = _ratio_from_bench_json(spec)
+    if not (math.isfinite(r) and 0 < r <= 1):
+        raise ValueError(f"--delta-ratio must lie in (0, 1], got {r} ({src})")
+    return r, src
+
+
+def _ratio_from_bench_json(spec: str) -> tuple[float, str]:
+    path, model = spec, None
+    if not Path(spec).exists() and ":" in spec:
+        path, model = spec.rsplit(":", 1)
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"--delta-ratio {spec}: not a number, and {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--delta-ratio {spec}: {path} is not JSON ({e})") from None
+    models = raw.get("models") if isinstance(raw, dict) else None
+    if not isinstance(models, dict) or not models:
+        raise ValueError(f'{path}: no "models" (expected the JSON of `heterorl bench weights --json`)')
+    keys = ", ".join(sorted(models))
+    if model is None:
+        smol = [k for k in models if "smol" in k.lower()]
+        if len(smol) != 1:
+            which = "no model" if not smol else "several models"
+            raise ValueError(f"{path}: {which} named *smol*; pick one with {path}:MODEL (models: {keys})")
+        model = smol[0]
+    if model not in models:
+        raise ValueError(f"{path}: no model {model!r}; models: {keys}")
+    m = models[model]
+    r = m.get("delta_ratio") if isinstance(m, dict) else None
+    if isinstance(r, bool) or not isinstance(r, (int, float)):
+        raise ValueError(f"{path}: model {model!r} has no numeric delta_ratio ({r!r})")
+    lr = m.get("lr")
+    src = model + (f" at lr {lr:g}" if isinstance(lr, (int, float)) else "") + f", from {path}"
+    if m.get("bit_identical") is False:
+        src += "; WARNING: bench weights found deltas that did not rebuild bit-identically"
+    return float(r), src
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -33,7 +86,21 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--background-fetch",
         action="store_true",
-        help="what-if (not what the sampler does today): keep generating while the next checkpoint downloads",
+        help="keep generating with the held version while the next one downloads, with the stop rule "
+        "(--max-lag, busy); default: fetch between batches and wait for it",
+    )
+    ap.add_argument(
+        "--max-lag",
+        type=int,
+        metavar="K",
+        default=None,
+        help="with --background-fetch: start no batch while more than K versions (learner steps) behind the "
+        f"newest published one (default {d.max_lag}; -1: never)",
+    )
+    ap.add_argument(
+        "--no-busy-pause",
+        action="store_true",
+        help="with --background-fetch: keep generating while the learner says busy (the stop rule pauses)",
     )
     g = ap.add_argument_group("the run (as in run.toml)")
     g.add_argument("--prompts-per-update", type=int, default=d.prompts_per_update)
@@ -54,8 +121,28 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--publish-s", type=float, default=d.publish_s, help="seconds to publish a checkpoint")
     g.add_argument("--announce-s", type=float, default=d.announce_s, help="until samplers find a manifest")
     g.add_argument("--model-bytes", type=float, default=d.model_bytes, help="checkpoint size (1.5B bf16)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument(
+        "--delta-ratio",
+        default=None,
+        metavar="R|FILE.json[:MODEL]",
+        help="a switch fetches sparse bf16 deltas: one update's delta is R × the checkpoint, or the "
+        "delta_ratio `heterorl bench weights --json FILE` measured (MODEL default: the one named *smol*); "
+        "a chain costs the sum, capped at the full checkpoint; a newcomer fetches in full",
+    )
+    x.add_argument(
+        "--changed-frac",
+        type=float,
+        default=None,
+        help="the older chunk model: each update changes this fraction of chunks (default 1: in full)",
+    )
     g.add_argument(
-        "--changed-frac", type=float, default=d.changed_frac, help="chunks one update changes (1: full FT)"
+        "--delta-bases",
+        type=int,
+        metavar="N",
+        default=None,
+        help="with --delta-ratio: a peer more than N published versions behind fetches in full "
+        "(run.toml learner.deltas; default: no limit)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write every figure here")
@@ -64,12 +151,19 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace, n: int):
     from .engine import SimConfig
 
+    if not args.background_fetch and (args.max_lag is not None or args.no_busy_pause):
+        raise ValueError("--max-lag and --no-busy-pause are the stop rule of --background-fetch: add it")
+    if args.delta_bases is not None and args.delta_ratio is None:
+        raise ValueError("--delta-bases needs --delta-ratio")
+    ratio = delta_ratio(args.delta_ratio)[0] if args.delta_ratio is not None else None
     return SimConfig(
         samplers=n,
         hours=args.hours,
         warmup_h=args.warmup_h,
         churn=not args.no_churn,
         background_fetch=args.background_fetch,
+        max_lag=SimConfig.max_lag if args.max_lag is None else args.max_lag,
+        busy_pause=not args.no_busy_pause,
         prompts_per_update=args.prompts_per_update,
         group_size=args.group_size,
         prompts_per_batch=args.prompts_per_batch,
@@ -82,7 +176,9 @@ def _config(args: argparse.Namespace, n: int):
         publish_s=args.publish_s,
         announce_s=args.announce_s,
         model_bytes=int(args.model_bytes),
-        changed_frac=args.changed_frac,
+        changed_frac=1.0 if args.changed_frac is None else args.changed_frac,
+        delta_ratio=ratio,
+        delta_bases=args.delta_bases,
         seed=args.seed,
     )
 
@@ -90,7 +186,8 @@ def _config(args: argparse.Namespace, n: int):
 def table(results: list[dict]) -> str:
     head = (
         "| samplers | updates/h | learner train / publish / wait | staleness mean · p50 · p90 · max "
-        "| 0-1 · 2-7 · 8-15 · 16+ | sampler time gen / fetch / full outbox | sampler GB/h down (p90) · up "
+        "| 0-1 · 2-7 · 8-15 · 16+ | sampler time gen / fetch / full outbox / paused behind · busy "
+        "| sampler GB/h down (p90) · up "
         "| learner up GB/h | busy replies per accept | generated batches refused as stale |"
     )
     lines = [head, "|" + "---|" * 10]
@@ -105,6 +202,7 @@ def table(results: list[dict]) -> str:
             f"| {b['0'] + b['1']:.0%} · {b['2-3'] + b['4-7']:.0%} · {b['8-15']:.0%} · {b['16+']:.0%} "
             f"| {t.get('generating', 0) / online:.0%} / {t.get('fetching', 0) / online:.0%} "
             f"/ {t.get('outbox full', 0) / online:.0%} "
+            f"/ {t.get('paused (behind)', 0) / online:.0%} · {t.get('paused (busy)', 0) / online:.0%} "
             f"| {gb['down_median']:.1f} ({gb['down_p90']:.1f}) · {gb['up_median']:.2f} "
             f"| {r['learner_upload_GB_per_h']:.0f} "
             f"| {c.get('busy_replies', 0) / max(1, c.get('batches_accepted', 0)):.1f} "
@@ -125,6 +223,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}")
         return 2
     c0 = configs[0]
+    if c0.delta_ratio is not None:
+        bases = "no limit" if c0.delta_bases is None else f"at most {c0.delta_bases} versions behind"
+        switch = (
+            f"sparse bf16 deltas, {c0.delta_ratio:.4g} of the checkpoint per update "
+            f"({delta_ratio(args.delta_ratio)[1]}), chained ({bases}), else in full"
+        )
+    elif c0.changed_frac < 1:
+        switch = f"changed chunks, {c0.changed_frac:.4g} of them per update"
+    else:
+        switch = "the full checkpoint"
+    rule = (
+        f"background fetch, stop rule max_lag {c0.max_lag}" + (", paused while busy" if c0.busy_pause else "")
+        if c0.background_fetch
+        else "fetch between batches, waiting for it"
+    )
+    print(f"a checkpoint switch fetches {switch}; {rule}")
     batch_bytes = trajectory_batch_bytes(
         c0.prompts_per_batch, c0.group_size, c0.prompt_tokens, c0.completion_tokens
     )
@@ -146,8 +260,13 @@ def run(args: argparse.Namespace) -> int:
         per_class = ", ".join(
             f"{k} gen {v['generating']:.0%} fetch {v['fetching']:.0%}" for k, v in r["by_class"].items()
         )
+        c = r["counts"]
+        switches = f"; versions behind when a batch starts: mean {r['generation_lag']['mean']:.1f}, max "
+        switches += f"{r['generation_lag']['max']}; switches by delta {c.get('fetched_delta', 0):,}, "
+        switches += f"in full {c.get('fetched_full', 0):,}"
         print(
             f"{r['config']['samplers']} samplers ({r['events']:,} events, {r['wall_s']:.0f} s): {per_class}"
+            + switches
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

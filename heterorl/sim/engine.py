@@ -1,19 +1,39 @@
 """The discrete-event simulation of one run: a learner and many heterogeneous, churning samplers.
 
 Each sampler behaves as ``peer/daemon/sampler.py`` does: between batches it switches to the newest published
-checkpoint (fetching only the chunks that changed since the one it holds), generates a batch, puts it in its
-durable outbox (generation pauses at ``max_pending`` queued batches) and sends the oldest queued batch; a
-"busy" reply is retried after the real full-jitter backoff (``protocol.outbox.backoff_ceiling``). A sampler
-that leaves loses the batch it was generating, keeps its outbox and resends it when it comes back.
+checkpoint, generates a batch, puts it in its durable outbox (generation pauses at ``max_pending`` queued
+batches) and sends the oldest queued batch; a "busy" reply is retried after the real full-jitter backoff
+(``protocol.outbox.backoff_ceiling``). A sampler that leaves loses the batch it was generating, keeps its
+outbox and resends it when it comes back.
+
+What a checkpoint switch costs (``_fetch_bytes``), one of two models:
+
+- ``delta_ratio`` (sparse lossless bf16 deltas, ``protocol/delta.py``; the ratio ``heterorl bench weights``
+  measures is one learner update's compressed delta over the full checkpoint): a sampler holding version ``h``
+  that wants ``t`` fetches the deltas in between, ``delta_ratio × (t - h)`` of the checkpoint (versions are
+  learner steps, so a version published every ``publish_every`` updates costs that many updates' deltas: an
+  upper bound, a word changed twice travels once), or the full checkpoint when that is not smaller, or when
+  more than ``delta_bases`` published versions behind (the run's ``learner.deltas``; None: no limit). A
+  newcomer fetches the full checkpoint.
+- ``changed_frac`` (the older chunk model): each update changes each chunk with this probability; a switch
+  fetches the chunks that changed since the held version.
+
+By default a sampler fetches between batches and waits for the fetch (``background_fetch`` off). With
+``background_fetch`` it keeps generating with the version it holds while the next one downloads, and the stop
+rule applies: it does not start a batch while the newest published version is more than ``max_lag`` versions
+(learner steps) ahead of the one it holds ("paused (behind)"; -1: never), nor while the learner's last answer
+was "busy" and its retry time has not come ("paused (busy)", ``busy_pause``); it resumes when it caught up.
 
 The learner behaves as ``peer/daemon/learner.py`` does: it admits a batch by the real staleness rule
 (``staleness_refusal``), holds it in the real bounded ``TrajectoryBuffer`` ("busy" when full), takes
 ``prompts_per_update`` prompt groups per update, buckets staleness with the real ``staleness_bucket``, and
 publishes a checkpoint every ``publish_every`` updates (training pauses while it publishes).
 
-Links are modelled per peer: a fetch takes ``rtt + bytes / downlink`` and its chunks are served by up to
-``providers`` random peers already holding the version (the learner among them), which is where upload
-bytes are charged; provider uplinks are not a bottleneck in this model (a stated simplification).
+Links are modelled per peer: a fetch takes ``rtt + bytes / downlink`` and its bytes (full or delta alike) are
+served by the learner and up to ``providers - 1`` random peers that already hold the whole target version,
+which is where upload bytes are charged. Two stated simplifications: a peer serves a version only once it
+holds all of it (real peers re-serve chunks while still downloading), and provider uplinks are not a
+bottleneck.
 """
 
 from __future__ import annotations
@@ -55,13 +75,18 @@ class SimConfig:
     announce_s: float = 2.0  # until a published manifest is found in the DHT
     # the checkpoint
     model_bytes: int = 3_087_000_000  # 1.54B parameters in bfloat16
-    changed_frac: float = 1.0  # fraction of chunks one update changes (1: full fine-tuning)
+    changed_frac: float = 1.0  # chunk model: fraction of chunks one update changes (1: full fine-tuning)
+    delta_ratio: float | None = None  # one update's bf16 delta / full checkpoint (None: chunk model)
+    delta_bases: int | None = None  # a peer more published versions behind than this fetches in full
     providers: int = 8
     # samplers
     max_pending: int = 4
     spread: float = 0.3
     churn: bool = True
-    background_fetch: bool = False  # what-if: keep generating with the held version while fetching
+    background_fetch: bool = False  # generate with the held version while fetching, with the stop rule:
+    max_lag: int = 8  # no new batch while more than this many versions behind (-1: never)
+    busy_pause: bool = True  # no new batch until the learner's "busy" retry time
+    watch_s: float = 5.0  # a new manifest is found within this (the daemon's watcher polls every 0.5-5 s)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -73,6 +98,15 @@ class SimConfig:
             raise ValueError("warmup_h must lie in [0, hours)")
         if not 0 < self.changed_frac <= 1:
             raise ValueError("changed_frac must lie in (0, 1]")
+        if self.delta_ratio is not None:
+            if not 0 < self.delta_ratio <= 1:
+                raise ValueError(f"delta_ratio must lie in (0, 1], got {self.delta_ratio}")
+            if self.changed_frac != 1.0:
+                raise ValueError("delta_ratio and changed_frac are two models of a switch: give one")
+        if self.delta_bases is not None and self.delta_bases < 1:
+            raise ValueError("delta_bases must be >= 1 (or None: no limit)")
+        if self.max_lag < -1:
+            raise ValueError("max_lag must be >= -1 (-1: never stop)")
         if self.learner_tokens_per_s <= 0 or self.publish_s < 0 or self.announce_s < 0:
             raise ValueError("learner_tokens_per_s must be > 0; publish_s and announce_s >= 0")
 
@@ -101,6 +135,7 @@ class SimSampler:
         self.sending = False
         self.fetching = False
         self.waiting = False  # generation paused on a full outbox
+        self.busy_until = 0.0  # the learner said "busy": its retry time (the stop rule waits for it)
         self.time = collections.Counter()  # state -> seconds (inside the measured window)
         self.state, self.state_since = "offline", 0.0
         self.down_bytes = 0
@@ -137,6 +172,7 @@ class Simulation:
         self.holders: dict[int, list[int]] = {0: []}  # version -> sampler indices that hold it
         self.stale = collections.Counter()
         self.stale_values: list[int] = []
+        self.gen_lag: list[int] = []  # newest published minus held version, when a batch starts
         self.counts = collections.Counter()
 
     # ---- event queue ----
@@ -183,10 +219,17 @@ class Simulation:
         self.at(self.now + self.rng.expovariate(1 / (s.spec.cls.offline_h * 3600)), self.join, s)
 
     def _fetch_bytes(self, held: int | None, target: int) -> int:
-        """Bytes to fetch from version ``held`` to ``target``: the chunks that changed in between."""
+        """Bytes to fetch from version ``held`` to ``target`` (see the module docstring for both models)."""
         n = len(self.chunk_sizes)
+        full = sum(self.chunk_sizes)
         if held is None:
-            return sum(self.chunk_sizes)
+            return full
+        if self.cfg.delta_ratio is not None:
+            behind = (target - held) / self.cfg.publish_every  # published versions
+            if self.cfg.delta_bases is not None and behind > self.cfg.delta_bases:
+                return full
+            deltas = self.cfg.delta_ratio * (target - held) * self.cfg.model_bytes
+            return int(deltas) if deltas < full else full
         # a chunk is unchanged over k versions with probability (1 - changed_frac) ** k
         p = 1 - (1 - self.cfg.changed_frac) ** (target - held)
         if p >= 1:
@@ -211,26 +254,56 @@ class Simulation:
             else:
                 self.samplers[i].up_bytes += share
 
+    def _start_fetch(self, s: SimSampler) -> None:
+        """Fetch the newest published version if it is newer than what the sampler holds (one at a time)."""
+        if s.fetching or (s.version is not None and self.published <= s.version):
+            return
+        target = self.published
+        nbytes = self._fetch_bytes(s.version, target)
+        s.fetching = True
+        if self._in_window():
+            s.down_bytes += nbytes
+            self.counts["fetched_full" if nbytes >= sum(self.chunk_sizes) else "fetched_delta"] += 1
+        self._charge_providers(target, nbytes)
+        self.at(self.now + s.spec.rtt_s + nbytes / s.spec.down_Bps, self.fetched, s, s.epoch, target)
+
+    def _pause(self, s: SimSampler) -> str | None:
+        """The stop rule (background fetch only): why not to start a batch now, or None."""
+        cfg = self.cfg
+        if not cfg.background_fetch:
+            return None
+        if cfg.max_lag >= 0 and self.published - s.version > cfg.max_lag:
+            return "paused (behind)"
+        if cfg.busy_pause and self.now < s.busy_until:
+            return "paused (busy)"
+        return None
+
+    def _wake(self, s: SimSampler, epoch: int) -> None:
+        """What a paused sampler waits for happened: look again (a generating one looks when done)."""
+        if epoch == s.epoch and s.state in ("fetching", "paused (behind)", "paused (busy)"):
+            self.ready(s, epoch)
+
     def ready(self, s: SimSampler, epoch: int) -> None:
         """Between batches: switch checkpoint if a newer one is published, else generate (or pause)."""
         if epoch != s.epoch:
             return
-        if (s.version is None or self.published > s.version) and not s.fetching:
-            target = self.published
-            nbytes = self._fetch_bytes(s.version, target)
-            s.fetching = True
-            if self._in_window():
-                s.down_bytes += nbytes
-            self._charge_providers(target, nbytes)
-            self.at(self.now + s.spec.rtt_s + nbytes / s.spec.down_Bps, self.fetched, s, epoch, target)
+        self._start_fetch(s)
         if s.fetching and (s.version is None or not self.cfg.background_fetch):
             self._set_state(s, "fetching")
+            return
+        pause = self._pause(s)
+        if pause is not None:
+            self._set_state(s, pause)
+            if pause == "paused (busy)":
+                self.at(s.busy_until, self._wake, s, epoch)
             return
         if len(s.outbox) >= self.cfg.max_pending:
             s.waiting = True
             self._set_state(s, "outbox full")
             return
         self._set_state(s, "generating")
+        if self._in_window():
+            self.gen_lag.append(self.published - s.version)
         rows = self.cfg.prompts_per_batch * self.cfg.group_size
         tokens = rows * self.cfg.completion_tokens * self.rng.lognormvariate(0.0, 0.15)
         self.at(self.now + tokens / s.spec.tokens_per_s, self.generated, s, epoch, s.version)
@@ -242,8 +315,9 @@ class Simulation:
         s.version = version
         self.holders.setdefault(version, []).append(s.idx)
         self.counts["checkpoint_switches"] += self._in_window()
-        if s.state == "fetching":  # blocked on it (always, unless background_fetch)
-            self.ready(s, epoch)
+        if self.cfg.background_fetch and s.state != "joining":
+            self._start_fetch(s)  # the daemon's watcher goes straight on to a newer version
+        self._wake(s, epoch)
 
     def generated(self, s: SimSampler, epoch: int, version: int) -> None:
         if epoch != s.epoch:
@@ -274,11 +348,17 @@ class Simulation:
         s.sending = False
         if reply == "busy":
             b.attempts += 1
-            self.at(self.now + self.rng.uniform(0, backoff_ceiling(b.attempts)), self._retry, s, epoch)
+            retry = self.now + self.rng.uniform(0, backoff_ceiling(b.attempts))
+            s.busy_until = retry
+            self.at(retry, self._retry, s, epoch)
             return
         s.outbox.popleft()
+        if reply == "accepted":
+            s.busy_until = 0.0  # as the daemon's sender: an Ack ends the learner's "busy"
         if s.waiting:
             s.waiting = False
+            self.ready(s, epoch)
+        elif s.state == "paused (busy)" and not s.busy_until:
             self.ready(s, epoch)
         self._send(s)
 
@@ -334,6 +414,14 @@ class Simulation:
 
     def _announced(self, version: int) -> None:
         self.published = max(self.published, version)
+        if self.cfg.background_fetch:  # the daemon's watcher finds the manifest while the sampler generates
+            for s in self.samplers:
+                if s.online and s.state != "joining" and not s.fetching:
+                    self.at(self.now + self.rng.uniform(0, self.cfg.watch_s), self._watched, s, s.epoch)
+
+    def _watched(self, s: SimSampler, epoch: int) -> None:
+        if epoch == s.epoch and s.state != "joining":
+            self._start_fetch(s)
 
     # ---- run ----
 
@@ -398,6 +486,10 @@ class Simulation:
                 "p90": q(0.9),
                 "p99": q(0.99),
                 "max": values[-1],
+            },
+            "generation_lag": {  # what the stop rule bounds; staleness adds the time in outboxes and buffer
+                "mean": statistics.fmean(self.gen_lag) if self.gen_lag else 0.0,
+                "max": max(self.gen_lag, default=0),
             },
             "sampler_time": {k: v / state_total for k, v in sorted(state_s.items())},
             "sampler_GB_per_h": {
