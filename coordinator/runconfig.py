@@ -59,6 +59,7 @@ deltas = 4                         # offer each version as sparse deltas against
 
 [sampler]
 prompts_per_batch = 2              # prompt groups per TrajectoryBatch
+max_lag = 4                        # stop generating while more than 4 versions behind the newest (-1: never)
 """
 
 
@@ -108,7 +109,17 @@ class LearnerSettings:
 
 @dataclasses.dataclass(frozen=True)
 class SamplerSettings:
+    """``[sampler]``. max_lag: a sampler stops generating while the newest published version is more than
+    this many published versions ahead of the one it holds (it fetches in the background meanwhile; data it
+    made now would arrive stale); 0: generate only with the newest version known; -1: never stop. Samplers
+    also stop while the learner says it is busy."""
+
     prompts_per_batch: int = 2
+    max_lag: int = 4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_lag, bool) or not isinstance(self.max_lag, int) or self.max_lag < -1:
+            raise ValueError(f"sampler.max_lag must be an integer >= -1, got {self.max_lag!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -198,6 +198,11 @@ class TrajectorySender:
         self.latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_SAMPLES)
         self.delivery_latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_SAMPLES)
         self.state = "idle"
+        self.busy_until = 0.0  # monotonic time until which the learner asked us to hold off ("busy")
+
+    def learner_busy_for(self) -> float:
+        """Seconds the learner last asked us to wait (0 once it acknowledged a batch or the time passed)."""
+        return max(0.0, self.busy_until - time.monotonic())
 
     def notify(self) -> None:
         """Wake the sender (thread-safe); call after outbox.put."""
@@ -265,6 +270,7 @@ class TrajectorySender:
         self.bytes_sent += len(data)
         if kind == "Ack":
             self.acked += 1
+            self.busy_until = 0.0
             self.latencies.append(time.monotonic() - start)
             self.delivery_latencies.append(max(0.0, time.time() - created_at))
             await asyncio.to_thread(self.outbox.ack, batch_id)
@@ -272,6 +278,7 @@ class TrajectorySender:
         if body["retry_after_s"] > 0:
             self.deferred += 1
             self.state = "learner busy"
+            self.busy_until = time.monotonic() + body["retry_after_s"]
             await asyncio.to_thread(self.outbox.retry, batch_id, retry_after_s=body["retry_after_s"])
             return 0
         self.rejected += 1

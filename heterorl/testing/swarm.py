@@ -16,7 +16,15 @@ from heterorl.local import Proc, _ready_line, stop_all
 
 
 class Swarm:
-    def __init__(self, root: Path, model_dir: str | Path, *, lr: float = 2e-3, **learner_settings: object):
+    def __init__(
+        self,
+        root: Path,
+        model_dir: str | Path,
+        *,
+        lr: float = 2e-3,
+        sampler: dict | None = None,
+        **learner_settings: object,
+    ):
         from heterorl.protocol import load_or_create_identity
 
         self.root = Path(root)
@@ -30,15 +38,17 @@ class Swarm:
         self.ready: dict = {}
         self.coord: Proc | None = None
         self.lr = lr
+        self.sampler_settings = {"prompts_per_batch": 2, **(sampler or {})}
 
     def run_toml(self, lr: float | None = None) -> Path:
         lr = self.lr if lr is None else lr
         learner = "\n".join(f"{k} = {v}" for k, v in self.settings.items())
+        sampler = "\n".join(f"{k} = {v}" for k, v in self.sampler_settings.items())
         path = self.root / "run.toml"
         path.write_text(
             f'run_id = "test-{int(time.time() * 1000) % 10**8}"\nlearner_keys = ["{self.learner_key}"]\n'
             f'[model]\npath = "{self.model_dir}"\n[objective]\nname = "gepo"\nlr = {lr}\n'
-            f"[learner]\n{learner}\n[sampler]\nprompts_per_batch = 2\n"
+            f"[learner]\n{learner}\n[sampler]\n{sampler}\n"
         )
         return path
 
@@ -104,6 +114,15 @@ class Swarm:
     def view(self) -> dict:
         with urllib.request.urlopen(self.ready["dashboard"] + "api/view", timeout=10) as r:
             return json.loads(r.read())
+
+    def peer_states(self, names: list[str]) -> dict[str, tuple[str, dict]]:
+        """The coordinator's view of the named peers (state dirs under ``root``; those whose key exists yet):
+        name -> (state, stats)."""
+        from heterorl.protocol import load_or_create_identity
+
+        held = [(n, self.root / n / "peer.key") for n in names]
+        keys = {load_or_create_identity(k)[0].public_key.hex()[:8]: n for n, k in held if k.exists()}
+        return {keys[p["key"]]: (p["state"], p["stats"]) for p in self.view()["peers"] if p["key"] in keys}
 
     def logs(self, n: int = 3000) -> str:
         out = []

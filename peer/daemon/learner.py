@@ -60,6 +60,7 @@ class LearnerOptions:
     max_steps: int | None = None  # stop (cleanly) after this many updates; None: run until stopped
     wait_log_s: float = 10.0
     store_bytes: int = 8 << 30
+    upload_bytes_per_s: float | None = None  # cap on the checkpoint bytes this peer serves; None: no cap
 
 
 class Learner:
@@ -102,7 +103,7 @@ class Learner:
             get_task(s.task, **s.task_params), self.tok, prompts=PromptFormat(self.tok, s.chat)
         )
         self.store = ChunkStore(state_dir / "chunks", max_bytes=options.store_bytes)
-        self.server = ChunkServer(self.store)
+        self.server = ChunkServer(self.store, options.upload_bytes_per_s)
         self.receiver = TrajectoryReceiver(
             identity,
             s.run_id,

@@ -56,6 +56,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="sampler: the rollout engine's dtype. auto: bfloat16 on a GPU, float32 on a CPU (CPUs without "
         "native bf16 are ~5x slower in it)",
     )
+    ap.add_argument(
+        "--upload-mbps",
+        type=float,
+        default=0,
+        help="cap the checkpoint bytes this peer uploads to others, in Mbit/s (default 0: no cap)",
+    )
     ap.add_argument("--join-timeout", type=float, default=120.0, help="seconds to wait for the RunSpec")
     ap.add_argument("--slowdown", type=float, default=1.0, help="sampler: run this many times slower (tests)")
     ap.add_argument("--max-batches", type=int, default=None, help="sampler: leave after this many batches")
@@ -113,6 +119,7 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
         log.error("could not join: %s", e)
         return 1
     log.info("joined run %s as %s; my addresses: %s", joined.spec["run_id"], args.role, joined.node.maddrs)
+    upload = args.upload_mbps * 1e6 / 8 if args.upload_mbps > 0 else None
     try:
         if args.role == "sampler":
             from .sampler import Sampler, SamplerOptions
@@ -123,13 +130,18 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
                 backend=args.backend,
                 engine_dtype=args.engine_dtype,
                 threads=args.threads or None,
+                upload_bytes_per_s=upload,
             )
             peer = (peer_class or Sampler)(joined, identity, state_dir, hw, options)
         else:
             from .learner import Learner, LearnerOptions
 
             peer = (peer_class or Learner)(
-                joined, identity, state_dir, hw, LearnerOptions(max_steps=args.max_steps)
+                joined,
+                identity,
+                state_dir,
+                hw,
+                LearnerOptions(max_steps=args.max_steps, upload_bytes_per_s=upload),
             )
         peer.run(stop)
     except (PermissionError, ValueError, DaemonDied) as e:

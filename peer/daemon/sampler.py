@@ -1,17 +1,22 @@
-"""The volunteer sampler: fetch the newest checkpoint, generate scored rollouts, send them, repeat.
+"""The volunteer sampler: follow the newest checkpoint, generate scored rollouts, send them, repeat.
 
-Between batches it looks for a newer checkpoint and switches to it without stopping; it serves every chunk it
-holds; its outbox on disk keeps unsent batches across learner outages and its own restarts. A slow peer is
-welcome: its batches carry the policy version they were sampled with, and the learner uses stale data.
+A background fetcher on the network loop watches the DHT for newer checkpoints, downloads the newest into the
+chunk store and prepares its tensors while the main thread keeps generating with the version it holds; the
+main thread swaps the prepared version in between batches (the engine lives there). Two rules keep that from
+filling the outbox with data nobody wants (``heterorl simulate --background-fetch`` found outboxes full of
+batches ~80 versions old without them): generation pauses while the sampler is more than ``sampler.max_lag``
+versions behind the newest it knows of, and while the learner answers "busy"; the heartbeat's state says
+which, and ``paused_behind_s`` / ``paused_busy_s`` count it. The sampler serves every chunk it holds; its
+outbox on disk keeps unsent batches across learner outages and its own restarts. A slow peer is welcome:
+its batches carry the policy version they were sampled with, and the learner uses stale data.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import logging
+import math
 import random
 import threading
 import time
@@ -22,7 +27,7 @@ import torch
 from heterorl.coordinator.runconfig import RunSettings
 from heterorl.protocol import Identity, encode
 from heterorl.protocol.checkpoint import deserialize_state_dict
-from heterorl.protocol.chunks import ChunkServer, fetch_checkpoint, latest_manifest
+from heterorl.protocol.chunks import ChunkServer
 from heterorl.protocol.outbox import Outbox
 from heterorl.protocol.store import ChunkStore
 from heterorl.protocol.trajectories import TrajectorySender, new_batch_id
@@ -32,10 +37,11 @@ from ..model.prompts import PromptFormat
 from ..rollout import SamplingParams, make_backend
 from ..rollout.resilient import ResilientBackend, is_oom
 from ..tasks import get_task
+from .follower import CheckpointFollower
 from .hardware import Hardware, rows_that_fit
 from .heartbeat import Heartbeat, Status
 from .join import Joined
-from .weights import resolve_model, weights_hash
+from .weights import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +52,19 @@ class SamplerOptions:
     max_pending: int = 4  # batches waiting in the outbox before generation pauses
     max_batches: int | None = None  # stop after this many (tests); None: run until stopped
     store_bytes: int = 2 << 30
-    check_every_s: float = 0.5
+    check_every_s: float = 0.5  # checkpoint lookups: this often after a change, doubling while none comes
+    check_max_s: float = 5.0  # ... up to this
     drain_s: float = 5.0  # on shutdown, how long to keep sending what is queued
     backend: str = "auto"  # rollout engine: auto | hf | vllm
     engine_dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
     threads: int | None = None  # the engine's CPU threads (None: its default)
     engine_restarts: int = 2  # a dead vLLM engine is restarted this often, then the sampler falls back to hf
+    upload_bytes_per_s: float | None = None  # cap on the checkpoint bytes this peer serves; None: no cap
 
 
 MAX_PROMPT_TOKENS = 1024  # the engine's context: prompt + max_new_tokens, within the model's own limit
+PAUSE_POLL_S = 0.2
+PAUSE_LOG_EVERY_S = 60.0  # a pause of the same kind is logged at INFO at most this often (DEBUG otherwise)
 
 
 class Sampler:
@@ -112,96 +122,73 @@ class Sampler:
         self.rng = random.Random(int.from_bytes(identity.public_key[:8], "big") ^ time.time_ns())
         self.outbox = Outbox(state_dir / "outbox.sqlite")
         self.store = ChunkStore(state_dir / "chunks", max_bytes=options.store_bytes)
-        self.server = ChunkServer(self.store)
+        self.server = ChunkServer(self.store, options.upload_bytes_per_s)
         self.sender = TrajectorySender(self.node, self.outbox, s.run_id, s.learner_keys)
-        self._last_check = 0.0
-        self._refused: set[bytes] = set()  # manifests whose weights we refused: not fetched again
-        self._stop = threading.Event()
+        self.follower = CheckpointFollower(
+            self.node,
+            self.store,
+            s,
+            lambda: self.version,
+            lambda: self.batches,
+            options.check_every_s,
+            options.check_max_s,
+        )
+        self.max_lag = s.sampler.max_lag
+        self.paused_s = {"behind": 0.0, "busy": 0.0}
+        self.gen_lag_max = 0  # the most versions behind the newest known that any batch was started
+        self._paused: str | None = None  # the kind of the pause in progress
+        self._paused_since = 0.0
+        self._pause_level = logging.DEBUG
+        self._pause_logged = {"behind": -math.inf, "busy": -math.inf}
+        self._busy = False  # the learner's last word on a batch was "busy", and one still waits
+        self._seen = (0, 0)  # the sender's (busy replies, other outcomes) counts at the last look
 
     # ---- checkpoints ----
 
     def _maybe_switch(self) -> None:
-        if time.monotonic() - self._last_check < self.opt.check_every_s and self.version is not None:
+        """Swap in the version the follower prepared, if any (main thread: the engine is used here)."""
+        ready = self.follower.take()
+        if ready is None:
             return
-        self._last_check = time.monotonic()
-        s = self.settings
-        newer = self.version + 1 if self.version is not None else 0
+        v = ready.version
         try:
-            found = self._interruptible(latest_manifest(self.node, s.run_id, s.learner_keys, newer), 30)
-        except Exception as e:
-            log.warning("checkpoint lookup failed: %s", e)
-            return
-        if found is None:
-            return
-        raw, body = found
-        v = body["version"]
-        if hashlib.sha256(raw).digest() in self._refused:
-            return
-        self.status.state = f"fetching version {v}"
-        level = logging.INFO if not self.loaded or v % 10 == 0 else logging.DEBUG  # logs stay bounded
-        log.log(level, "fetching checkpoint version %d (%d bytes)", v, body["total_size"])
-        try:
-            fetch = fetch_checkpoint(
-                self.node, self.store, raw, run_id=s.run_id, learner_keys=s.learner_keys, timeout=120
-            )
-            report = self._interruptible(fetch, 130)
-            data = self.store.assemble(v)
-        except Exception as e:  # a network or disk failure: try again at the next check
-            log.warning("could not switch to version %d: %s", v, e)
-            return
-        try:
-            if v == 0 and weights_hash(data) != s.initial_checkpoint:
-                raise ValueError("version 0 does not match the RunSpec's initial checkpoint hash")
-            self.backend.load_weights(deserialize_state_dict(data))
+            self.backend.load_weights(ready.state)
         except Exception as e:  # these signed bytes will never do: refuse this manifest for good
-            self._refused.add(hashlib.sha256(raw).digest())
-            held = "no checkpoint yet" if self.version is None else f"keeping version {self.version}"
-            log.error("refused checkpoint version %d: %s; %s", v, e, held)
-            self.status.state = f"refused checkpoint version {v}"
+            self.follower.refuse(ready.digest, v, e)
+            self.follower.swapped()
             return
-        self.version = v
+        previous, self.version = self.version, v
+        self.follower.swapped()
         self.loaded.append(v)
+        r = ready.report
+        row = {
+            "version": v,
+            "time": time.time(),
+            "fetched_bytes": r.fetched_bytes,
+            "reused_bytes": r.reused_bytes,
+            "via": r.via,
+            "fetch_s": round(ready.fetch_s, 3),
+            "prepare_s": round(ready.prepare_s, 3),
+            "fetch_started": ready.started,
+            "held": ready.held,  # the version generated with while this one was fetched
+            "batches_during_fetch": ready.batches_during_fetch,
+            "after_batch": self.batches,  # swapped in after this many batches, never during one
+        }
         with (self.state_dir / "versions.jsonl").open("a") as f:
-            f.write(
-                json.dumps(
-                    {
-                        "version": v,
-                        "time": time.time(),
-                        "fetched_bytes": report.fetched_bytes,
-                        "reused_bytes": report.reused_bytes,
-                    }
-                )
-                + "\n"
-            )
+            f.write(json.dumps(row) + "\n")
+        level = logging.INFO if previous is None or v % 10 == 0 else logging.DEBUG  # logs stay bounded
         log.log(
             level,
-            "now sampling with version %d (fetched %d bytes, reused %d from the parent)",
+            "now sampling with version %d (%s: fetched %d bytes, reused %d, in %.1f s; "
+            "%d batch(es) made with version %s meanwhile)",
             v,
-            report.fetched_bytes,
-            report.reused_bytes,
+            r.via,
+            r.fetched_bytes,
+            r.reused_bytes,
+            ready.fetch_s + ready.prepare_s,
+            ready.batches_during_fetch,
+            previous,
         )
-
-    def _interruptible(self, coro, timeout: float):
-        """Run ``coro`` on the network loop; give up (cancelling it) on timeout, when asked to stop, or when
-        the libp2p daemon has died (nothing on the network can succeed any more)."""
-        fut = self.node.spawn(coro)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return fut.result(timeout=0.2)
-            except concurrent.futures.TimeoutError:
-                why = (
-                    "stopped"
-                    if self._stop.is_set()
-                    else "the libp2p daemon died"
-                    if not self.node.daemon_alive()
-                    else f"no result in {timeout:.0f} s"
-                    if time.monotonic() > deadline
-                    else None
-                )
-                if why is not None:
-                    fut.cancel()
-                    raise TimeoutError(why) from None
 
     # ---- rollouts ----
 
@@ -261,25 +248,94 @@ class Sampler:
         }
         return bid, encode("TrajectoryBatch", body, self.identity), tokens
 
+    # ---- the stop rule ----
+
+    def _lag(self) -> int:
+        """Published versions between the one held and the newest known (versions are learner steps: with
+        ``publish_every = k`` a version is published every k of them)."""
+        if self.version is None:
+            return 0
+        return max(0, self.follower.newest - self.version) // self.settings.learner.publish_every
+
+    def _pause_reason(self) -> tuple[str, str] | None:
+        """(kind, state in words) while generating now would only make data nobody wants, else None."""
+        lag = self._lag()
+        if self.max_lag >= 0 and lag > self.max_lag:
+            f = self.follower
+            doing = (
+                f"fetching {f.fetching}"
+                if f.fetching is not None
+                else f"retry in {max(0, math.ceil(f.retry_at - time.monotonic()))} s"
+                if f.retry_at > time.monotonic()
+                else f"about to fetch {f.newest}"
+            )
+            return "behind", f"paused: {lag} versions behind ({doing})"
+        # the learner's latest word on our batches: a "busy" Reject pauses us until an Ack, a final Reject
+        # or no answer at all (then the outbox cap governs), or until nothing of ours waits any more
+        snd = self.sender
+        busy_for = snd.learner_busy_for()  # > 0 until the learner's retry_after_s passes; an Ack clears it
+        seen = (snd.deferred, snd.acked + snd.rejected + snd.failures)
+        said_busy, said_other = seen[0] > self._seen[0], seen[1] > self._seen[1]
+        if said_busy and (busy_for > 0 or not said_other):
+            self._busy = True
+        elif said_other:
+            self._busy = False
+        self._seen = seen
+        if self._busy and not len(self.outbox):
+            self._busy = False
+        if not self._busy:
+            return None
+        retry = f"retry in {math.ceil(busy_for)} s" if busy_for > 0 else "retrying"
+        return "busy", f"paused: learner busy ({retry})"
+
+    def _pause(self, kind: str, state: str, stop: threading.Event) -> None:
+        now = time.monotonic()
+        if self._paused != kind:
+            self._resume()
+            self._paused, self._paused_since = kind, now
+            # a busy learner or a slow line may pause us often: INFO at most once a minute per kind
+            self._pause_level = logging.DEBUG
+            if now - self._pause_logged[kind] >= PAUSE_LOG_EVERY_S:
+                self._pause_logged[kind], self._pause_level = now, logging.INFO
+            log.log(self._pause_level, "%s", state)
+        self.status.state = state
+        stop.wait(PAUSE_POLL_S)
+        self.paused_s[kind] += time.monotonic() - now
+
+    def _resume(self) -> None:
+        if self._paused is not None:
+            took = time.monotonic() - self._paused_since
+            why = "behind" if self._paused == "behind" else "learner busy"
+            log.log(self._pause_level, "resumed generating after %.1f s paused (%s)", took, why)
+            self._paused = None
+
     # ---- the loop ----
 
     def _status(self) -> Status:
         st = self.status
         st.policy_version = -1 if self.version is None else self.version
+        f = self.follower
         st.stats = {
             "batches_made": self.batches,
             "outbox": len(self.outbox),
             "loaded_versions": len(self.loaded),
             "gen_rows": self.gen_rows,
+            "newest_version": f.newest,
+            "fetching_version": -1 if f.fetching is None else f.fetching,
+            "fetch_failures": f.failures,
+            "lag": self._lag(),
+            "gen_lag_max": self.gen_lag_max,
+            "paused_behind_s": round(self.paused_s["behind"], 1),
+            "paused_busy_s": round(self.paused_s["busy"], 1),
             **{k.split("/")[-1]: v for k, v in self.sender.stats().items()},
             **{k.split("/")[-1]: v for k, v in self.server.stats().items()},
         }
         return st
 
     def run(self, stop: threading.Event) -> None:
-        self._stop = stop
         self.node.call(self.server.attach(self.node))
         sender_task = self.node.spawn(self.sender.run())
+        follower_task = self.node.spawn(self.follower.run())
         hb = Heartbeat(
             self.node, self.settings.run_id, "sampler", self.hw.describe(), self._status, self.state_dir
         )
@@ -287,6 +343,8 @@ class Sampler:
         try:
             self._loop(stop)
         finally:
+            follower_task.cancel()  # a download in progress stops here; its stored chunks serve a restart
+            self._write_final_stats()  # now, in case leaving is cut short; again below with the drain's acks
             if self.node.daemon_alive():  # else nothing can be sent: leave at once
                 self._drain()
                 self.status.state = "leaving"
@@ -297,10 +355,17 @@ class Sampler:
             hb_task.cancel()
             sender_task.cancel()
             queued = len(self.outbox)
+            self._write_final_stats()
             self.node.close()  # nothing may touch the outbox after this
             self.outbox.close()
             self.backend.close()
-            log.info("left: %d batches made, %d left queued for next time", self.batches, queued)
+            log.info(
+                "left: %d batches made, %d left queued for next time; paused %.0f s behind, %.0f s busy",
+                self.batches,
+                queued,
+                self.paused_s["behind"],
+                self.paused_s["busy"],
+            )
 
     def _loop(self, stop: threading.Event) -> None:
         ema = 0.0
@@ -310,14 +375,30 @@ class Sampler:
                 return
             self._maybe_switch()
             if self.version is None:
-                self.status.state = "waiting for a checkpoint"
-                stop.wait(0.5)
+                f = self.follower
+                self.status.state = (
+                    f"fetching version {f.fetching}"
+                    if f.fetching is not None
+                    else f"waiting for a checkpoint (refused version {f.last_refused})"
+                    if f.last_refused is not None
+                    else "waiting for a checkpoint"
+                )
+                stop.wait(PAUSE_POLL_S)
                 continue
+            pause = self._pause_reason()
+            if pause is not None:
+                self._pause(*pause, stop)
+                continue
+            self._resume()
             if len(self.outbox) >= self.opt.max_pending:
                 self.status.state = f"waiting for the learner ({self.sender.state})"
-                stop.wait(0.2)
+                stop.wait(PAUSE_POLL_S)
                 continue
-            self.status.state = f"generating with version {self.version}"
+            fetching = self.follower.fetching
+            self.status.state = f"generating with version {self.version}" + (
+                f"; fetching {fetching}" if fetching is not None else ""
+            )
+            self.gen_lag_max = max(self.gen_lag_max, self._lag())
             t = time.perf_counter()
             bid, data, tokens = self.make_batch()
             dt = time.perf_counter() - t
@@ -331,6 +412,14 @@ class Sampler:
             if self.opt.slowdown > 1:
                 self.status.state = "throttled (--sampler-slowdown)"
                 stop.wait(dt * (self.opt.slowdown - 1))
+
+    def _write_final_stats(self) -> None:
+        """What this session did, for `heterorl local`'s summary and for tests (the heartbeat's stats)."""
+        try:
+            stats = {**self._status().stats, "tokens": self.tokens, "versions": self.loaded[-1000:]}
+            (self.state_dir / "final_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
+        except Exception as e:  # leaving must not fail on it
+            log.warning("final stats not written: %s", e)
 
     def _drain(self) -> None:
         deadline = time.monotonic() + self.opt.drain_s
