@@ -256,7 +256,7 @@ def test_cli_delta_ratio_from_json_and_exclusive_options(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "0.004 of the checkpoint per update (smollm2-135m at lr 1e-06" in done.stdout
-    assert "stop rule max_lag 8" in done.stdout and "| 5 |" in done.stdout
+    assert "stop rule max_lag 4" in done.stdout and "| 5 |" in done.stdout
     both = subprocess.run(
         base + ["--delta-ratio", "0.01", "--changed-frac", "0.1"], capture_output=True, text=True
     )

@@ -94,8 +94,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         type=int,
         metavar="K",
         default=None,
-        help="with --background-fetch: start no batch while more than K versions (learner steps) behind the "
-        f"newest published one (default {d.max_lag}; -1: never)",
+        help="with --background-fetch: start no batch while more than K published versions behind the "
+        f"newest (run.toml sampler.max_lag; default {d.max_lag}; -1: never)",
     )
     ap.add_argument(
         "--no-busy-pause",

@@ -20,9 +20,10 @@ What a checkpoint switch costs (``_fetch_bytes``), one of two models:
 
 By default a sampler fetches between batches and waits for the fetch (``background_fetch`` off). With
 ``background_fetch`` it keeps generating with the version it holds while the next one downloads, and the stop
-rule applies: it does not start a batch while the newest published version is more than ``max_lag`` versions
-(learner steps) ahead of the one it holds ("paused (behind)"; -1: never), nor while the learner's last answer
-was "busy" and its retry time has not come ("paused (busy)", ``busy_pause``); it resumes when it caught up.
+rule applies: it does not start a batch while the newest published version is more than ``max_lag`` published
+versions (as the daemon counts: learner steps / ``publish_every``) ahead of the one it holds ("paused
+(behind)"; -1: never), nor while the learner's last answer was "busy" and its retry time has not come ("paused
+(busy)", ``busy_pause``); it resumes when it caught up.
 
 The learner behaves as ``peer/daemon/learner.py`` does: it admits a batch by the real staleness rule
 (``staleness_refusal``), holds it in the real bounded ``TrajectoryBuffer`` ("busy" when full), takes
@@ -84,7 +85,7 @@ class SimConfig:
     spread: float = 0.3
     churn: bool = True
     background_fetch: bool = False  # generate with the held version while fetching, with the stop rule:
-    max_lag: int = 8  # no new batch while more than this many versions behind (-1: never)
+    max_lag: int = 4  # no new batch while more than this many published versions behind (-1: never)
     busy_pause: bool = True  # no new batch until the learner's "busy" retry time
     watch_s: float = 5.0  # a new manifest is found within this (the daemon's watcher polls every 0.5-5 s)
     seed: int = 0
@@ -267,12 +268,16 @@ class Simulation:
         self._charge_providers(target, nbytes)
         self.at(self.now + s.spec.rtt_s + nbytes / s.spec.down_Bps, self.fetched, s, s.epoch, target)
 
+    def _lag(self, s: SimSampler) -> int:
+        """Published versions between the held one and the newest (versions are learner steps)."""
+        return (self.published - s.version) // self.cfg.publish_every
+
     def _pause(self, s: SimSampler) -> str | None:
         """The stop rule (background fetch only): why not to start a batch now, or None."""
         cfg = self.cfg
         if not cfg.background_fetch:
             return None
-        if cfg.max_lag >= 0 and self.published - s.version > cfg.max_lag:
+        if cfg.max_lag >= 0 and self._lag(s) > cfg.max_lag:
             return "paused (behind)"
         if cfg.busy_pause and self.now < s.busy_until:
             return "paused (busy)"
@@ -303,7 +308,7 @@ class Simulation:
             return
         self._set_state(s, "generating")
         if self._in_window():
-            self.gen_lag.append(self.published - s.version)
+            self.gen_lag.append(self._lag(s))
         rows = self.cfg.prompts_per_batch * self.cfg.group_size
         tokens = rows * self.cfg.completion_tokens * self.rng.lognormvariate(0.0, 0.15)
         self.at(self.now + tokens / s.spec.tokens_per_s, self.generated, s, epoch, s.version)
