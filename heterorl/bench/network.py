@@ -181,7 +181,7 @@ def bench_checkpoints(boot, work: Path, size_mb: int, peer_counts: list[int], ch
 
 
 def bench_delta_propagation(
-    boot, work: Path, size_mb: int, peers: int, chunk_kb: int, step_lr: float
+    boot, work: Path, size_mb: int, peers: int, chunk_kb: int, step_lr: float, seed_mbps: float = 0
 ) -> dict:
     """N peers that hold version 1 fetch version 2 at the same instant, once by its sparse bf16 delta and once
     in full (fresh stores each time): time until all hold it, and who uploaded the bytes (seeder vs peers)."""
@@ -193,12 +193,14 @@ def bench_delta_propagation(
         common = ["--run", run, "--bootstrap", *boot.maddrs]
         seed_args = ["--store", str(work / "seed"), "--size-mb", str(size_mb), "--versions", "2"]
         seed_args += ["--chunk-kb", str(chunk_kb), "--tensors", "40", "--dtype", "bfloat16", "--deltas"]
-        seed = PeerProcess("seed", *common, *seed_args, "--step-lr", str(step_lr), log_path=work / "seed.log")
+        seed_args += ["--step-lr", str(step_lr), "--upload-mbps", str(seed_mbps)]
+        seed = PeerProcess("seed", *common, *seed_args, log_path=work / "seed.log")
         procs.append(seed)
         key = seed.wait_event("ready", 120)["key"]
         seed_id = seed.history[0]["peer_id"]
         v1, v2 = seed.wait_event("published", 600), seed.wait_event("published", 600)
         out = {"size_mb": size_mb, "peers": peers, "bytes": v2["total_size"], "delta_size": v2["delta_size"]}
+        out["seed_upload_mbps"] = seed_mbps or None
         _say(
             f"  {size_mb} MB bf16 checkpoint; version 2's delta {v2['delta_size'] / 2**20:.2f} MiB "
             f"({v2['delta_size'] / v2['total_size']:.2%} of the state)"
@@ -337,6 +339,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--step-lr", type=float, default=1e-5, help="per-element step between the versions of the delta run"
     )
+    ap.add_argument(
+        "--seed-upload-mbps",
+        type=float,
+        default=0,
+        help="cap the seeder's upload in the delta run (Mbit/s; 0: none): a learner on a real link",
+    )
     ap.add_argument("--quick", action="store_true", help="8 MB, 1 and 2 peers, 50 batches (a smoke run)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--workdir", default=None, help="where peers keep their stores (default: a temp dir)")
@@ -362,7 +370,13 @@ def run_from_args(args: argparse.Namespace) -> int:
             size = args.sizes_mb[0]
             _say(f"new version by delta vs in full, {args.delta_peers} peers, {size} MB:")
             results["delta_propagation"] = bench_delta_propagation(
-                boot, work / "delta", size, args.delta_peers, args.chunk_kb, args.step_lr
+                boot,
+                work / "delta",
+                size,
+                args.delta_peers,
+                args.chunk_kb,
+                args.step_lr,
+                args.seed_upload_mbps,
             )
         _say("trajectory delivery:")
         results["trajectories"] = bench_trajectories(
