@@ -16,7 +16,10 @@ from heterorl.local import Proc, _ready_line, stop_all
 
 
 class Swarm:
-    def __init__(self, root: Path, model_dir: str | Path, **learner_settings: object):
+    def __init__(
+        self, root: Path, model_dir: str | Path, extra_toml: str = "", **learner_settings: object
+    ):
+        """``extra_toml``: more run.toml sections (``[adapter]``); ``learner_settings``: ``[learner]``."""
         from heterorl.protocol import load_or_create_identity
 
         self.root = Path(root)
@@ -29,6 +32,7 @@ class Swarm:
         self.procs: list[Proc] = []
         self.ready: dict = {}
         self.coord: Proc | None = None
+        self.extra_toml = extra_toml
 
     def run_toml(self, lr: float = 2e-3) -> Path:
         learner = "\n".join(f"{k} = {v}" for k, v in self.settings.items())
@@ -36,7 +40,7 @@ class Swarm:
         path.write_text(
             f'run_id = "test-{int(time.time() * 1000) % 10**8}"\nlearner_keys = ["{self.learner_key}"]\n'
             f'[model]\npath = "{self.model_dir}"\n[objective]\nname = "gepo"\nlr = {lr}\n'
-            f"[learner]\n{learner}\n[sampler]\nprompts_per_batch = 2\n"
+            f"[learner]\n{learner}\n[sampler]\nprompts_per_batch = 2\n{self.extra_toml}"
         )
         return path
 
