@@ -56,7 +56,8 @@ def wrap(model: nn.Module, adapter: AdapterSettings):
     config = LoraConfig(
         r=adapter.rank, lora_alpha=adapter.alpha, target_modules=names, lora_dropout=0.0, bias="none"
     )
-    peft_model = get_peft_model(model, config)
+    with torch.random.fork_rng(devices=[]):  # peft's own init draws; the caller's RNG stream stays as it was
+        peft_model = get_peft_model(model, config)
     g = torch.Generator().manual_seed(INIT_SEED)
     with torch.no_grad():
         for name, p in sorted(peft_model.named_parameters()):
