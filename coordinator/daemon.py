@@ -70,13 +70,21 @@ def _sign_spec(args: argparse.Namespace, state_dir: Path, identity) -> bytes:
 
     cfg = load_run_config(args.run_config)
     model, _tok = load_model(resolve_model(cfg.model, state_dir / "models"))
-    initial = weights_hash(weights_bytes(model, cfg.learner.checkpoint_dtype))
-    body = cfg.runspec_body(initial, model.config.vocab_size)
+    vocab_size = model.config.vocab_size
+    if cfg.adapter is None:
+        initial, base = weights_hash(weights_bytes(model, cfg.learner.checkpoint_dtype)), None
+    else:  # version 0 is the initial adapter; the base is named by its hash
+        from heterorl.peer.model.adapter import initial_hashes
+
+        initial, base = initial_hashes(model, cfg.adapter, cfg.learner.checkpoint_dtype)
+    body = cfg.runspec_body(initial, vocab_size, base_hash=base)
     raw = encode("RunSpec", body, identity)
     tmp = stored.with_suffix(".tmp")
     tmp.write_bytes(raw)
     os.replace(tmp, stored)
     log.info("new run %s: model %s, task %s, objective %s", cfg.run_id, cfg.model, cfg.task, cfg.objective)
+    if cfg.adapter is not None:
+        log.info("adapter run: LoRA %s on base sha256 %s", cfg.adapter, base.hex())
     return raw
 
 

@@ -60,6 +60,11 @@ deltas = 4                         # offer each version as sparse deltas against
 [sampler]
 prompts_per_batch = 2              # prompt groups per TrajectoryBatch
 max_lag = 4                        # stop generating while more than 4 versions behind the newest (-1: never)
+
+# [adapter]                        # LoRA adapters on a frozen base; absent: full fine-tuning
+# rank = 8                         # checkpoints carry only the adapters (rank × (in + out) per target)
+# alpha = 16                       # scale alpha / rank; adapter runs want ~10x the full-FT lr (5e-3)
+# target_modules = ["q_proj", "v_proj"]  # module-name suffixes of the model's Linear layers
 """
 
 
@@ -108,6 +113,76 @@ class LearnerSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class AdapterSettings:
+    """``[adapter]``: LoRA on a frozen base (W = W0 + alpha/rank · B A on each target Linear layer).
+
+    target_modules: module-name suffixes (``q_proj`` matches ``model.layers.0.self_attn.q_proj``), checked
+    against the model where it is loaded. base_hash: sha256 (hex) of the base weights in the checkpoint dtype,
+    filled in by the coordinator, never by run.toml. An adapter run typically wants ~10x full FT's lr.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    base_hash: str = ""
+
+    def __post_init__(self) -> None:
+        r = self.rank
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"adapter.rank must be an integer >= 1, got {r!r}")
+        a = self.alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0:
+            raise ValueError(f"adapter.alpha must be a number > 0, got {a!r}")
+        t = self.target_modules
+        if isinstance(t, str) or not isinstance(t, (list, tuple)) or not t:
+            raise ValueError(f"adapter.target_modules must be a non-empty list of module names, got {t!r}")
+        if not all(isinstance(x, str) and x and x.strip() == x for x in t):
+            raise ValueError(f"adapter.target_modules must hold non-empty module names, got {list(t)!r}")
+        object.__setattr__(self, "target_modules", tuple(t))
+        object.__setattr__(self, "alpha", float(a))
+        if not isinstance(self.base_hash, str) or (
+            self.base_hash and (len(self.base_hash) != 64 or set(self.base_hash) - set("0123456789abcdef"))
+        ):
+            raise ValueError("adapter.base_hash must be 64 lowercase hex characters")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+ADAPTER_FLAG_HELP = (
+    "LoRA adapters on the frozen base instead of full fine-tuning, e.g. "
+    "rank=8,alpha=16,targets=q_proj,v_proj (targets: module-name suffixes); "
+    "adapter runs want ~10x the full-FT lr"
+)
+
+
+def parse_adapter_flag(text: str) -> AdapterSettings:
+    """``rank=8,alpha=16,targets=q_proj,v_proj`` (a bare name after ``targets=`` is one more target)."""
+    fields: dict[str, list[str]] = {}
+    key = None
+    for part in (p.strip() for p in text.split(",")):
+        if "=" in part:
+            key, value = (x.strip() for x in part.split("=", 1))
+            if key not in ("rank", "alpha", "targets") or key in fields:
+                raise ValueError(f"--adapter: unknown or repeated field {key!r} (rank, alpha, targets)")
+            fields[key] = [value]
+        elif key == "targets" and part:
+            fields[key].append(part)
+        else:
+            raise ValueError(f"--adapter: {part!r} is not field=value (e.g. rank=8,alpha=16,targets=q_proj)")
+    try:
+        kw: dict[str, Any] = {"rank": int(fields["rank"][0])} if "rank" in fields else {}
+        if "alpha" in fields:
+            kw["alpha"] = float(fields["alpha"][0])
+    except ValueError:
+        raise ValueError(f"--adapter: rank must be an integer and alpha a number, got {text!r}") from None
+    if "targets" in fields:
+        kw["target_modules"] = tuple(fields["targets"])
+    return AdapterSettings(**kw)
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplerSettings:
     """``[sampler]``. max_lag: a sampler stops generating while the newest published version is more than
     this many published versions ahead of the one it holds (it fetches in the background meanwhile; data it
@@ -140,6 +215,7 @@ class RunConfig:
     max_batch_rows: int = 256
     learner: LearnerSettings = LearnerSettings()
     sampler: SamplerSettings = SamplerSettings()
+    adapter: AdapterSettings | None = None  # None: full fine-tuning
 
     def __post_init__(self) -> None:
         from heterorl.peer import objectives
@@ -175,7 +251,16 @@ class RunConfig:
             "sampler": dataclasses.asdict(self.sampler),
         }
 
-    def runspec_body(self, initial_checkpoint: bytes, vocab_size: int) -> dict:
+    def runspec_body(
+        self, initial_checkpoint: bytes, vocab_size: int, base_hash: bytes | None = None
+    ) -> dict:
+        """``base_hash``: sha256 of the base weights, required for (and only for) an adapter run, whose
+        ``initial_checkpoint`` is the hash of the initial adapter (version 0)."""
+        hp = self.hyperparameters()
+        if (self.adapter is None) != (base_hash is None):
+            raise ValueError("base_hash goes with an adapter run, and only with one")
+        if self.adapter is not None:
+            hp["adapter"] = {**dataclasses.asdict(self.adapter), "base_hash": base_hash.hex()}
         return {
             "run_id": self.run_id,
             "model": self.model,
@@ -183,7 +268,7 @@ class RunConfig:
             "task": self.task,
             "reward": "builtin",
             "objective": self.objective,
-            "hyperparameters": json.dumps(self.hyperparameters(), sort_keys=True),
+            "hyperparameters": json.dumps(hp, sort_keys=True),
             "sampling": {
                 "temperature": self.temperature,
                 "top_p": self.top_p,
@@ -218,6 +303,7 @@ def parse_run_config(data: dict) -> RunConfig:
         "learner",
         "sampler",
         "limits",
+        "adapter",
     }
     unknown = set(data) - known
     if unknown:
@@ -241,7 +327,14 @@ def parse_run_config(data: dict) -> RunConfig:
         max_batch_rows=int(limits.get("max_batch_rows", 256)),
         learner=_pick(data.get("learner", {}), LearnerSettings, "learner"),
         sampler=_pick(data.get("sampler", {}), SamplerSettings, "sampler"),
+        adapter=_adapter(data["adapter"]) if "adapter" in data else None,
     )
+
+
+def _adapter(section: dict) -> AdapterSettings:
+    if "base_hash" in section:
+        raise ValueError("[adapter]: base_hash is computed by the coordinator from the model, not set here")
+    return _pick(section, AdapterSettings, "adapter")
 
 
 def load_run_config(path: str | Path) -> RunConfig:
@@ -277,6 +370,7 @@ class RunSettings:
     vocab_size: int
     max_batch_rows: int
     initial_checkpoint: bytes
+    adapter: AdapterSettings | None = None  # an adapter run: checkpoints hold LoRA adapters, not weights
 
     @classmethod
     def from_spec(cls, body: dict) -> RunSettings:
@@ -302,6 +396,16 @@ class RunSettings:
                 vocab_size=body["vocab_size"],
                 max_batch_rows=body["max_batch_rows"],
                 initial_checkpoint=body["initial_checkpoint"],
+                adapter=_spec_adapter(hp.get("adapter")),
             )
         except (json.JSONDecodeError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"RunSpec hyperparameters not understood: {e}") from None
+
+
+def _spec_adapter(section: Any) -> AdapterSettings | None:
+    if section is None:
+        return None
+    adapter = AdapterSettings(**section)
+    if not adapter.base_hash:
+        raise ValueError("an adapter run's spec must name its base model's hash")
+    return adapter

@@ -60,6 +60,7 @@ def _train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from heterorl.coordinator.runconfig import parse_adapter_flag
     from heterorl.peer.train import LocalConfig, run_local
 
     try:
@@ -86,6 +87,7 @@ def _train(args: argparse.Namespace) -> int:
             micro_batch_tokens=args.micro_batch_tokens,
             gradient_checkpointing=args.gradient_checkpointing,
             objective_params=obj_params,
+            adapter=parse_adapter_flag(args.adapter) if args.adapter else None,
         )
     except (ValueError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -227,9 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="tokens per forward pass; the gradient stays the whole update's (default: all at once)",
     )
-    tr.add_argument(
-        "--gradient-checkpointing", action="store_true", help="recompute activations in backward"
-    )
+    tr.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    from heterorl.coordinator.runconfig import ADAPTER_FLAG_HELP
+
+    tr.add_argument("--adapter", default=None, metavar="SPEC", help=ADAPTER_FLAG_HELP)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", default="runs/local", help="metrics.jsonl, summary.json, checkpoint/")
     tr.set_defaults(fn=_train)

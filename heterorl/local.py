@@ -22,6 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from heterorl.coordinator.runconfig import ADAPTER_FLAG_HELP, AdapterSettings, parse_adapter_flag
+
 log = logging.getLogger("heterorl.local")
 
 
@@ -81,6 +83,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--no-deltas", action="store_true", help="publish every version in full only (no sparse deltas)"
     )
     ap.add_argument("--model", default=None, help="model path or hub id (default: the tiny model)")
+    ap.add_argument("--adapter", default=None, metavar="SPEC", help=ADAPTER_FLAG_HELP)
     ap.add_argument("--dashboard-port", type=int, default=0, help="0 picks a free port")
     ap.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
     ap.add_argument("--no-view", action="store_true", help="log lines instead of the live terminal view")
@@ -148,7 +151,14 @@ deltas = {0 if args.no_deltas else 4}
 
 [sampler]
 prompts_per_batch = {args.prompts_per_batch}
-"""
+{_adapter_toml(parse_adapter_flag(args.adapter)) if args.adapter else ""}"""
+
+
+def _adapter_toml(a: AdapterSettings) -> str:
+    return (
+        f"\n[adapter]\nrank = {a.rank}\nalpha = {a.alpha}\n"
+        f"target_modules = {json.dumps(list(a.target_modules))}\n"
+    )
 
 
 def _toml_table(d: dict) -> str:
@@ -329,6 +339,12 @@ def run(args: argparse.Namespace) -> int:
         apply_real_preset(args)
     if args.samplers < 1:
         print("error: --samplers must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        if args.adapter:
+            parse_adapter_flag(args.adapter)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):

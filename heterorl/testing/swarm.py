@@ -23,8 +23,11 @@ class Swarm:
         *,
         lr: float = 2e-3,
         sampler: dict | None = None,
+        extra_toml: str = "",
         **learner_settings: object,
     ):
+        """``sampler``: ``[sampler]`` settings; ``extra_toml``: more run.toml sections (``[adapter]``);
+        ``learner_settings``: ``[learner]``."""
         from heterorl.protocol import load_or_create_identity
 
         self.root = Path(root)
@@ -39,6 +42,7 @@ class Swarm:
         self.coord: Proc | None = None
         self.lr = lr
         self.sampler_settings = {"prompts_per_batch": 2, **(sampler or {})}
+        self.extra_toml = extra_toml
 
     def run_toml(self, lr: float | None = None) -> Path:
         lr = self.lr if lr is None else lr
@@ -48,7 +52,7 @@ class Swarm:
         path.write_text(
             f'run_id = "test-{int(time.time() * 1000) % 10**8}"\nlearner_keys = ["{self.learner_key}"]\n'
             f'[model]\npath = "{self.model_dir}"\n[objective]\nname = "gepo"\nlr = {lr}\n'
-            f"[learner]\n{learner}\n[sampler]\n{sampler}\n"
+            f"[learner]\n{learner}\n[sampler]\n{sampler}\n{self.extra_toml}"
         )
         return path
 

@@ -40,7 +40,7 @@ from ..learner.update import (
     staleness_refusal,
     update,
 )
-from ..model import load_model
+from ..model import adapter, load_model
 from ..model.prompts import PromptFormat
 from ..tasks import get_task
 from .announcer import Announcer
@@ -84,10 +84,13 @@ class Learner:
         self.model, self.tok = load_model(
             resolve_model(s.model, state_dir / "models"), device=hardware.device
         )
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, weight_decay=0.0)
+        if s.adapter is not None:  # LoRA on the frozen base the run names
+            self.model = adapter.for_training(self.model, s.adapter, s.learner.checkpoint_dtype)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=s.lr, weight_decay=0.0)
         meta = load_state(state_dir / "state", self.model, self.optimizer)
         if meta is None:
-            if weights_hash(weights_bytes(self.model, s.learner.checkpoint_dtype)) != s.initial_checkpoint:
+            if weights_hash(self.checkpoint_bytes()) != s.initial_checkpoint:
                 raise ValueError(
                     f"the weights of {s.model} here differ from the RunSpec's initial checkpoint; "
                     "the learner must start from the model the coordinator signed"
@@ -152,6 +155,13 @@ class Learner:
 
     # ---- checkpoints ----
 
+    def checkpoint_bytes(self) -> bytes:
+        """What a checkpoint carries: the weights, or in an adapter run the adapters alone."""
+        dtype = self.settings.learner.checkpoint_dtype
+        if self.settings.adapter is not None:
+            return adapter.adapter_bytes(self.model, dtype)
+        return weights_bytes(self.model, dtype)
+
     def publish(self) -> None:
         s = self.settings
         t0 = time.perf_counter()
@@ -162,7 +172,7 @@ class Learner:
         if raw is None or body is None:
             older = [v for v in self.store.versions() if v < self.step]
             parent = self.published_version if self.published_version >= 0 else max(older, default=-1)
-            data = weights_bytes(self.model, s.learner.checkpoint_dtype)
+            data = self.checkpoint_bytes()
             body, chunks = manifest_body(s.run_id, self.step, parent, data, s.learner.checkpoint_dtype)
             if s.learner.deltas:
                 chunks += self._deltas(body, older, data)

@@ -111,9 +111,10 @@ class Sampler:
             "max_rows": rows,
             "max_model_len": min(max_len, MAX_PROMPT_TOKENS + s.max_new_tokens),
         }
+        wrap = self._adapter_wrapper()
         self.backend = ResilientBackend(
-            lambda: make_backend(options.backend, self.model_dir, self.tok, **self._engine),
-            lambda: make_backend("hf", self.model_dir, self.tok, **self._engine),
+            lambda: wrap(make_backend(options.backend, self.model_dir, self.tok, **self._engine)),
+            lambda: wrap(make_backend("hf", self.model_dir, self.tok, **self._engine)),
             self._held_weights,
             restarts=options.engine_restarts,
         )
@@ -144,6 +145,20 @@ class Sampler:
         self._seen = (0, 0)  # the sender's (busy replies, other outcomes) counts at the last look
 
     # ---- checkpoints ----
+
+    def _adapter_wrapper(self):
+        """For an adapter run, backends that take adapters (on this peer's base, checked against the run's
+        hash: ValueError if it differs); else backends as they are."""
+        s = self.settings
+        if s.adapter is None:
+            return lambda backend: backend
+        from ..model.adapter import load_base
+        from ..rollout.adapter import AdapterBackend
+
+        base = load_base(self.model_dir, s.adapter, s.learner.checkpoint_dtype)
+        self._engine["lora_rank"] = s.adapter.rank  # a vLLM engine serves the adapters as LoRA
+        log.info("adapter run: LoRA rank %d on base sha256 %s…", s.adapter.rank, s.adapter.base_hash[:16])
+        return lambda backend: AdapterBackend(backend, base, s.adapter, self.state_dir / "adapters")
 
     def _maybe_switch(self) -> None:
         """Swap in the version the follower prepared, if any (main thread: the engine is used here)."""

@@ -8,6 +8,9 @@ at EOS (which stays in the completion, as with ``hf``) or at ``max_new_tokens``.
 New weights go into the running engine between batches (``reload_weights`` through ``collective_rpc``), then
 the prefix cache is reset: cached prompt KV from the old weights would otherwise be reused. The engine runs in
 this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so weights are handed over as tensors, never pickled.
+
+Adapter runs start the engine with LoRA support (``lora_rank``): each new adapter is a peft directory served
+through a ``LoRARequest`` with a fresh id (:meth:`VLLMBackend.load_lora`), the base weights never reloaded.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 CPU_KV_CACHE_SHARE = 0.1  # of available host memory, capped below: samplers share the host with others
 CPU_KV_CACHE_MAX = 2 << 30
 GPU_MEMORY_SHARE = 0.5  # of free GPU memory: the engine is not alone on a volunteer's GPU
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 
 
 class _RotaryReloadNoise(logging.Filter):
@@ -131,7 +135,9 @@ class VLLMBackend:
         max_rows: int = 256,
         max_model_len: int | None = None,
         seed: int = 0,
+        lora_rank: int | None = None,
     ) -> None:
+        """``lora_rank``: serve LoRA adapters of this rank (adapter runs); None: full weights only."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         reason = unsupported_reason(model_dir, device)
@@ -159,6 +165,14 @@ class VLLMBackend:
             enable_prefix_caching=True,
             **settings,
         )
+        self.lora_rank = lora_rank
+        self._lora = None  # the LoRARequest served, if any
+        self._lora_ids = 0
+        if lora_rank is not None:
+            allowed = [r for r in LORA_RANKS if r >= lora_rank]
+            if not allowed:
+                raise BackendUnavailable(f"vLLM serves LoRA ranks up to {LORA_RANKS[-1]}, not {lora_rank}")
+            self._engine_args.update(enable_lora=True, max_lora_rank=allowed[0], max_loras=1)
         self._threads = threads
         self._start()
 
@@ -189,7 +203,23 @@ class VLLMBackend:
     def restart(self) -> None:
         """A fresh engine from the model directory (after the engine died); weights must be loaded again."""
         self.close()
+        self._lora = None
         self._start()
+
+    def load_lora(self, path: str | Path) -> None:
+        """Serve the peft adapter in ``path`` from the next batch on (a fresh id: vLLM caches by id)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_rank:
+            raise ValueError("this engine was started without LoRA support")
+        old = self._lora
+        self._lora_ids += 1
+        self._lora = LoRARequest(f"adapter-{self._lora_ids}", self._lora_ids, str(path))
+        if old is not None:
+            try:
+                self.llm.llm_engine.remove_lora(old.lora_int_id)
+            except Exception as e:  # not loaded yet, or already evicted: nothing to free
+                log.debug("vLLM remove_lora: %s", e)
 
     def close(self) -> None:
         llm = self.__dict__.pop("llm", None)
@@ -221,7 +251,10 @@ class VLLMBackend:
             detokenize=False,
         )
         outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], sp, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids],
+            sp,
+            use_tqdm=False,
+            lora_request=self._lora,
         )
         n, width = len(outs), max(1, max(len(o.outputs[0].token_ids) for o in outs))
         completions = torch.full((n, width), tok.pad_token_id, dtype=torch.long)

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import torch
 
+from heterorl.coordinator.runconfig import AdapterSettings
+from heterorl.protocol.checkpoint import serialize_state_dict
+
 from .. import objectives
 from ..learner.update import Rows, update
-from ..model import load_model
+from ..model import adapter, load_model
 from ..model.prompts import CHAT_MODES, PromptFormat
 from ..rollout import SamplingParams, make_backend
 from ..tasks import get_task
@@ -50,6 +53,7 @@ class LocalConfig:
     micro_batch_tokens: int | None = None
     gradient_checkpointing: bool = False
     objective_params: dict = field(default_factory=dict)
+    adapter: AdapterSettings | None = None  # LoRA on the frozen base (hf rollouts); None: full fine-tuning
 
     def __post_init__(self) -> None:
         objectives.default_advantage(self.objective)  # validates the name
@@ -62,6 +66,8 @@ class LocalConfig:
             raise ValueError(f"backend must be hf or vllm, got {self.backend!r}")
         if self.chat not in CHAT_MODES:
             raise ValueError(f"chat must be one of {', '.join(CHAT_MODES)}, got {self.chat!r}")
+        if self.adapter is not None and self.backend != "hf":
+            raise ValueError("adapter runs in the local loop use the hf backend (the swarm's samplers: any)")
 
 
 def run_local(
@@ -83,6 +89,10 @@ def run_local(
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     policy, tok = load_model(cfg.model)
+    checkpoint_bytes = len(serialize_state_dict(adapter.base_state(policy)))
+    if cfg.adapter is not None:
+        policy = adapter.wrap(policy, cfg.adapter)
+        checkpoint_bytes = len(adapter.adapter_bytes(policy))
     prompts_fmt = PromptFormat(tok, cfg.chat)
     behaviour = copy.deepcopy(policy) if cfg.delay and cfg.backend == "hf" else policy
     lag = PolicyLag(policy, behaviour, cfg.delay)
@@ -90,13 +100,20 @@ def run_local(
     rows_per_step = cfg.prompts_per_step * cfg.group_size
     threads = torch.get_num_threads()
     backend = make_backend(
-        cfg.backend, cfg.model, tok, dtype=cfg.engine_dtype, model=behaviour, threads=threads,
-        max_rows=rows_per_step, seed=cfg.seed,
+        cfg.backend,
+        cfg.model,
+        tok,
+        dtype=cfg.engine_dtype,
+        model=behaviour,
+        threads=threads,
+        max_rows=rows_per_step,
+        seed=cfg.seed,
     )
     log.info("rollouts: %s; prompts: %s", backend.describe(), prompts_fmt.describe())
     engine_version = 0 if cfg.backend == "hf" or cfg.engine_dtype == "float32" else -1
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
 
     reward_curve: list[float] = []
     if on_update is not None:
@@ -178,6 +195,8 @@ def run_local(
         "reward_first20": sum(reward_curve[:k]) / k,
         "reward_last20": sum(reward_curve[-k:]) / k,
         "wall_s": time.perf_counter() - t0,
+        "checkpoint_bytes": checkpoint_bytes,  # one published version (float32): adapters or all weights
+        "trainable_params": sum(p.numel() for p in trainable),
         "config": asdict(cfg),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
