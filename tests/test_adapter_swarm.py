@@ -32,7 +32,7 @@ def _learner_state(learner_dir) -> dict[str, torch.Tensor]:
 
 def test_an_adapter_run_trains_in_the_local_swarm(tmp_path, tiny_model_dir):
     out = tmp_path / "local"
-    steps = 100
+    steps = 120
     cmd = [sys.executable, "-m", "heterorl.cli", "local", "--samplers", "2", "--steps", str(steps)]
     cmd += ["--out", str(out), "--model", str(tiny_model_dir), "--no-view", "--lr", "2e-3"]
     cmd += ["--adapter", "rank=8,alpha=16,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
