@@ -205,3 +205,31 @@ def test_manifest_deltas_are_checked_together_and_survive_the_store(tmp_path):
     bad = {**bodies[1], "deltas": [{**bodies[1]["deltas"][0], "total_size": 10**7}]}
     with pytest.raises(ProtocolError, match="delta chunks"):
         check_manifest(bad)
+
+
+def test_eviction_keeps_the_delta_chunks_of_kept_versions_and_drops_those_of_evicted_ones(tmp_path):
+    from heterorl.protocol import Identity, encode
+    from heterorl.protocol.checkpoint import add_delta, delta_part, manifest_body, referenced_hashes
+    from heterorl.protocol.delta import CODEC
+    from heterorl.protocol.store import ChunkStore
+
+    ident = Identity.generate()
+    states = [_bytes(_step(_state(n=20_000), 1e-3 * v, seed=v), torch.bfloat16) for v in range(4)]
+    store = ChunkStore(tmp_path / "s", max_bytes=1 << 30)
+    bodies = []
+    for v, data in enumerate(states):
+        body, chunks = manifest_body("r", v, v - 1, data, "bfloat16", 4096)
+        if v:
+            chunks += add_delta(body, v - 1, encode_delta(states[v - 1], data), CODEC)
+        for h, c in zip(referenced_hashes(body), chunks, strict=True):
+            store.put(h, c)
+        store.add_manifest(encode("CheckpointManifest", body, ident), body)
+        bodies.append(body)
+    store.max_bytes = 1  # over the cap: only the newest versions stay
+    store.evict(keep_latest=2)
+    assert store.versions() == [2, 3]
+    kept = delta_part(bodies[3], bodies[3]["deltas"][0])
+    assert store.missing(kept) == []  # a kept version's delta is still served
+    assert apply_delta(store.assemble(2), store.assemble_part(kept)) == states[3]
+    gone = bodies[1]["deltas"][0]["chunk_hashes"]
+    assert not any(store.has(h) for h in gone)  # an evicted version's delta went with it
