@@ -97,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     from heterorl.netflags import net_config_from_args
     from heterorl.peer.daemon.main import _log_to_file
     from heterorl.protocol import decode, load_or_create_identity
-    from heterorl.protocol.node import Node
-    from heterorl.protocol.spec import SpecServer
+    from heterorl.protocol.net.node import Node
+    from heterorl.protocol.net.spec import SpecServer
 
     from .dashboard import DashboardServer, prometheus_text
     from .view import SwarmView

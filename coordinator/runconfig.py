@@ -76,7 +76,8 @@ class LearnerSettings:
     importance sampling against the sampler/learner mismatch on fresh rows (Yao et al. 2025); ``None``: off.
     checkpoint_dtype: what published checkpoints hold (the samplers' dtype; bf16 for real models on GPUs):
     the learner keeps training its float32 copy and publishes its rounding. deltas: offer each version also
-    as sparse lossless deltas (protocol/delta.py) against each of this many most recent published versions
+    as sparse lossless deltas (protocol/wire/delta.py) against each of this many most recent published
+    versions
     (0: full only); a peer holding one of them fetches the smallest delta, everyone else the full state,
     which every manifest still signs.
     """

@@ -12,9 +12,9 @@ import os
 import time
 from pathlib import Path
 
-from heterorl.protocol.dht import checkpoints_key, peers_key
-from heterorl.protocol.messages import unpack_stats
-from heterorl.protocol.node import Node, Record
+from heterorl.protocol.net.dht import checkpoints_key, peers_key
+from heterorl.protocol.net.node import Node, Record
+from heterorl.protocol.wire.messages import unpack_stats
 
 ALIVE_S = 15.0
 MAX_POINTS = 2000

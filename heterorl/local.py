@@ -280,7 +280,7 @@ def _render(view: dict, steps: int, started: float) -> list[str]:
 
 
 def _summary(out: Path, samplers: list[Path], view: dict | None, wall: float) -> dict:
-    from heterorl.protocol.ledger import AcceptedLog
+    from heterorl.protocol.storage.ledger import AcceptedLog
 
     steps: dict[int, dict] = {}
     metrics = out / "learner" / "metrics.jsonl"

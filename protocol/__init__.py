@@ -15,9 +15,9 @@ Layers, bottom up (each module's docstring says more):
 Heavy modules (hivemind, sqlite stores) are imported from their own submodules, not from here.
 """
 
-from .errors import ProtocolError
-from .identity import Identity, load_identity, load_or_create_identity, save_identity, verify
-from .messages import PROTOCOL_VERSION, decode, encode
+from .wire.errors import ProtocolError
+from .wire.identity import Identity, load_identity, load_or_create_identity, save_identity, verify
+from .wire.messages import PROTOCOL_VERSION, decode, encode
 
 __all__ = [
     "PROTOCOL_VERSION",

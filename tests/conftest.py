@@ -13,7 +13,7 @@ def tiny_model_dir(tmp_path_factory):
 def bootstrap_node():
     """A real hivemind DHT node on 127.0.0.1 in the test process: the swarm's first peer."""
     from heterorl.protocol import Identity
-    from heterorl.protocol.node import NetConfig, Node
+    from heterorl.protocol.net.node import NetConfig, Node
 
     node = Node.start(Identity.generate(), NetConfig())
     yield node

@@ -15,7 +15,7 @@ import torch
 
 from heterorl.peer.daemon.weights import weights_bytes
 from heterorl.peer.model import load_model
-from heterorl.protocol.checkpoint import deserialize_state_dict
+from heterorl.protocol.wire.checkpoint import deserialize_state_dict
 from heterorl.testing.swarm import Swarm
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from heterorl.protocol import Identity, ProtocolError, decode, encode
-from heterorl.protocol.checkpoint import (
+from heterorl.protocol.storage.store import ChunkStore
+from heterorl.protocol.wire.checkpoint import (
     CHUNK_BYTES,
     assemble,
     check_manifest,
@@ -22,7 +23,6 @@ from heterorl.protocol.checkpoint import (
     split,
     verify_chunk,
 )
-from heterorl.protocol.store import ChunkStore
 
 CB = 64 << 10
 RUN = "run-ckpt"
@@ -176,7 +176,7 @@ def test_changing_one_tensor_changes_only_its_chunks():
 def test_module_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['safetensors'] = None\n"
-        "import heterorl.protocol.checkpoint as c, heterorl.protocol.store\n"
+        "import heterorl.protocol.wire.checkpoint as c, heterorl.protocol.storage.store\n"
         "assert len(c.split(b'x' * 10000, 4096)) == 3"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,4 @@
-"""Sparse lossless deltas (protocol/delta.py): exact round trips and a refusal for every malformed input."""
+"""Sparse lossless deltas (protocol/wire/delta.py): exact round trips, a refusal for every malformed input."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import zstandard
 
-from heterorl.protocol.checkpoint import serialize_state_dict
-from heterorl.protocol.delta import (
+from heterorl.protocol.wire.checkpoint import serialize_state_dict
+from heterorl.protocol.wire.delta import (
     DeltaError,
     apply_delta,
     changed_fraction,
@@ -169,9 +169,9 @@ def test_layout_refuses_malformed_safetensors():
 
 def test_manifest_deltas_are_checked_together_and_survive_the_store(tmp_path):
     from heterorl.protocol import Identity, ProtocolError, encode
-    from heterorl.protocol.checkpoint import add_delta, check_manifest, manifest_body, referenced_hashes
-    from heterorl.protocol.delta import CODEC
-    from heterorl.protocol.store import ChunkStore
+    from heterorl.protocol.storage.store import ChunkStore
+    from heterorl.protocol.wire.checkpoint import add_delta, check_manifest, manifest_body, referenced_hashes
+    from heterorl.protocol.wire.delta import CODEC
 
     ident = Identity.generate()
     store = ChunkStore(tmp_path / "s", max_bytes=1 << 30)
@@ -188,7 +188,7 @@ def test_manifest_deltas_are_checked_together_and_survive_the_store(tmp_path):
     again = ChunkStore(tmp_path / "s", max_bytes=1 << 30)  # reopened: the sidecar keeps the deltas
     assert again.body(2) == bodies[2] and [d["base_version"] for d in again.body(2)["deltas"]] == [0, 1]
     for d in bodies[2]["deltas"]:
-        from heterorl.protocol.checkpoint import delta_part
+        from heterorl.protocol.wire.checkpoint import delta_part
 
         assert (
             apply_delta(again.assemble(d["base_version"]), again.assemble_part(delta_part(bodies[2], d)))
@@ -209,9 +209,9 @@ def test_manifest_deltas_are_checked_together_and_survive_the_store(tmp_path):
 
 def test_eviction_keeps_the_delta_chunks_of_kept_versions_and_drops_those_of_evicted_ones(tmp_path):
     from heterorl.protocol import Identity, encode
-    from heterorl.protocol.checkpoint import add_delta, delta_part, manifest_body, referenced_hashes
-    from heterorl.protocol.delta import CODEC
-    from heterorl.protocol.store import ChunkStore
+    from heterorl.protocol.storage.store import ChunkStore
+    from heterorl.protocol.wire.checkpoint import add_delta, delta_part, manifest_body, referenced_hashes
+    from heterorl.protocol.wire.delta import CODEC
 
     ident = Identity.generate()
     states = [_bytes(_step(_state(n=20_000), 1e-3 * v, seed=v), torch.bfloat16) for v in range(4)]

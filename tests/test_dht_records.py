@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from heterorl.protocol import Identity, encode
-from heterorl.protocol.dht import (
+from heterorl.protocol.net.dht import (
     MAX_TTL_S,
     SignedRecordValidator,
     checkpoints_key,
@@ -117,7 +117,7 @@ def _wrap(key, subkey_owner, msg, exp, signer):
     """Build a record whose wrapper is signed by ``signer`` whatever the subkey says."""
     from hivemind.dht.validation import DHTRecord
 
-    from heterorl.protocol.dht import _record_bytes
+    from heterorl.protocol.net.dht import _record_bytes
 
     subkey = msgpack.packb(subkey_owner, use_bin_type=True)
     value = msgpack.packb(msg, use_bin_type=True)
@@ -147,7 +147,7 @@ def test_any_flipped_byte_of_a_record_is_refused(pos, flip):
 
 @pytest.fixture(scope="module")
 def three_nodes():
-    from heterorl.protocol.node import NetConfig, Node
+    from heterorl.protocol.net.node import NetConfig, Node
 
     boot = Node.start(Identity.generate())
     a = Node.start(ALICE, NetConfig(bootstrap=tuple(boot.maddrs)))

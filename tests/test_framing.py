@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from heterorl.protocol.framing import FrameError, read_frame, write_frame
+from heterorl.protocol.net.framing import FrameError, read_frame, write_frame
 
 
 def _reader(data: bytes, eof: bool = True) -> asyncio.StreamReader:

@@ -10,8 +10,10 @@ import msgpack
 import pytest
 
 from heterorl.bench import fuzz
-from heterorl.protocol import Identity, ProtocolError, decode, encode, framing, messages
-from heterorl.protocol.messages import _signed_bytes
+from heterorl.protocol import Identity, ProtocolError, decode, encode
+from heterorl.protocol.net import framing
+from heterorl.protocol.wire import messages
+from heterorl.protocol.wire.messages import _signed_bytes
 
 BOUNDED_INPUTS = 3000
 
@@ -51,7 +53,7 @@ def test_protocol_version_must_be_the_integer(version):
 
 @pytest.mark.parametrize("expiration", [math.nan, math.inf])
 def test_non_finite_record_expiration_is_refused(expiration):
-    from heterorl.protocol.dht import SignedRecordValidator, make_record, peers_key
+    from heterorl.protocol.net.dht import SignedRecordValidator, make_record, peers_key
 
     alice = Identity.generate()
     hb = {
@@ -206,7 +208,7 @@ def test_a_framer_without_a_deadline_is_a_hang(monkeypatch):
 
 
 def test_a_validator_that_accepts_everything_or_raises_is_caught(monkeypatch):
-    from heterorl.protocol import dht
+    from heterorl.protocol.net import dht
 
     monkeypatch.setattr(dht.SignedRecordValidator, "validate", lambda self, record: True)
     report = fuzz.run_fuzz(200, targets=["dht_record"], progress=False)
@@ -223,7 +225,7 @@ def test_a_validator_that_accepts_everything_or_raises_is_caught(monkeypatch):
 
 
 def test_a_lax_chunk_request_parser_is_caught(monkeypatch):
-    from heterorl.protocol import chunks
+    from heterorl.protocol.net import chunks
 
     monkeypatch.setattr(chunks, "_parse_request", lambda frame: msgpack.unpackb(frame)["hashes"])
     report = fuzz.run_fuzz(300, targets=["chunk_request"], progress=False)
@@ -312,7 +314,7 @@ def test_cli(tmp_path, monkeypatch, capsys):
     assert "chunk_request" in capsys.readouterr().out
     assert fuzz.main(["--targets", "decode,bogus", "--no-progress"]) == 2
 
-    from heterorl.protocol import chunks
+    from heterorl.protocol.net import chunks
 
     def broken(frame):
         raise KeyError("x")

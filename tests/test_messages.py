@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from heterorl.protocol import PROTOCOL_VERSION, Identity, ProtocolError, decode, encode
-from heterorl.protocol.messages import MAX_MESSAGE_BYTES
+from heterorl.protocol.wire.messages import MAX_MESSAGE_BYTES
 
 ALICE = Identity.generate()
 RUN = "run-1"
@@ -142,7 +142,7 @@ def test_refusals(data_fn, kwargs, match):
 
 def _forge(body, kind="TrajectoryBatch"):
     """Sign a body without the encoder's validation, as a hostile peer would."""
-    from heterorl.protocol.messages import _signed_bytes
+    from heterorl.protocol.wire.messages import _signed_bytes
 
     sig = ALICE.sign(_signed_bytes(PROTOCOL_VERSION, kind, body, ALICE.public_key))
     return _repack(
@@ -190,7 +190,7 @@ def test_fuzz_mutated_messages(data):
 
 
 def test_heartbeat_stats_pack_drops_non_finite_and_caps():
-    from heterorl.protocol.messages import MAX_STATS, pack_stats, unpack_stats
+    from heterorl.protocol.wire.messages import MAX_STATS, pack_stats, unpack_stats
 
     packed = pack_stats({"step": 3, "reward": 0.5, "ess": float("nan"), "huge": 1e30, "x" * 40: 1.0})
     assert unpack_stats(packed) == {"huge": 1e15, "reward": 0.5, "step": 3.0, "x" * 32: 1.0}

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from heterorl.protocol import Identity, ProtocolError, encode
-from heterorl.protocol.checkpoint import manifest_body
-from heterorl.protocol.chunks import fetch_checkpoint, latest_manifest
-from heterorl.protocol.store import ChunkStore
+from heterorl.protocol.net.chunks import fetch_checkpoint, latest_manifest
+from heterorl.protocol.storage.store import ChunkStore
+from heterorl.protocol.wire.checkpoint import manifest_body
 
 
 @pytest.fixture

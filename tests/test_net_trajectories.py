@@ -7,17 +7,18 @@ import time
 import msgpack
 import pytest
 
-from heterorl.protocol import Identity, encode, load_identity, messages
-from heterorl.protocol.ledger import AcceptedLog
-from heterorl.protocol.node import NetConfig, Node
-from heterorl.protocol.outbox import Outbox
-from heterorl.protocol.trajectories import (
+from heterorl.protocol import Identity, encode, load_identity
+from heterorl.protocol.net.node import NetConfig, Node
+from heterorl.protocol.net.trajectories import (
     Learner,
     TrajectoryReceiver,
     TrajectorySender,
     find_learners,
     new_batch_id,
 )
+from heterorl.protocol.storage.ledger import AcceptedLog
+from heterorl.protocol.storage.outbox import Outbox
+from heterorl.protocol.wire import messages
 
 
 @pytest.fixture

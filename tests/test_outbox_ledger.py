@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from heterorl.protocol import ledger as ledger_mod
-from heterorl.protocol import outbox as outbox_mod
-from heterorl.protocol.ledger import AcceptedLog, LedgerItem
-from heterorl.protocol.outbox import (
+from heterorl.protocol.storage import ledger as ledger_mod
+from heterorl.protocol.storage import outbox as outbox_mod
+from heterorl.protocol.storage.ledger import AcceptedLog, LedgerItem
+from heterorl.protocol.storage.outbox import (
     BACKOFF_BASE_S,
     BACKOFF_CAP_S,
     MAX_RETRY_AFTER_S,
@@ -347,8 +347,8 @@ def test_ledger_shared_between_threads(tmp_path):
 
 _CHILD = r"""
 import sys
-from heterorl.protocol.ledger import AcceptedLog
-from heterorl.protocol.outbox import Outbox
+from heterorl.protocol.storage.ledger import AcceptedLog
+from heterorl.protocol.storage.outbox import Outbox
 
 kind, path = sys.argv[1], sys.argv[2]
 store = Outbox(path, max_items=10**9, max_bytes=1 << 40) if kind == "outbox" else AcceptedLog(path)

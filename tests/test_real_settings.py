@@ -7,7 +7,7 @@ import torch
 
 from heterorl.coordinator.runconfig import RunSettings, parse_run_config
 from heterorl.peer.daemon.weights import weights_bytes
-from heterorl.protocol.checkpoint import deserialize_state_dict
+from heterorl.protocol.wire.checkpoint import deserialize_state_dict
 
 KEY = "ab" * 32
 

@@ -18,7 +18,7 @@ import pytest
 from heterorl.bench.throughput import swarm_window
 from heterorl.local import stop_all
 from heterorl.protocol import load_or_create_identity
-from heterorl.protocol.ledger import AcceptedLog
+from heterorl.protocol.storage.ledger import AcceptedLog
 from heterorl.testing.swarm import Swarm
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from heterorl.protocol.store import ChunkStore
+from heterorl.protocol.storage.store import ChunkStore
 from heterorl.testing.swarm import Swarm
 
 pytestmark = pytest.mark.slow

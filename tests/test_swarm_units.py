@@ -121,7 +121,7 @@ def test_stale_daemon_sockets_are_swept_live_and_young_ones_kept(tmp_path):
     import os
     import socket
 
-    from heterorl.protocol.node import sweep_stale_sockets
+    from heterorl.protocol.net.node import sweep_stale_sockets
 
     def bound(name: str, listen: bool) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -146,7 +146,7 @@ def test_stale_daemon_sockets_are_swept_live_and_young_ones_kept(tmp_path):
 
 def test_a_runspec_signed_by_another_key_is_refused_when_one_is_pinned():
     from heterorl.protocol import ProtocolError
-    from heterorl.protocol.spec import check_run_key
+    from heterorl.protocol.net.spec import check_run_key
 
     check_run_key(b"a" * 32, None)  # trust on first use
     check_run_key(b"a" * 32, b"a" * 32)

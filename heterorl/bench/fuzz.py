@@ -8,7 +8,7 @@ function that parses bytes from a peer, and checks three things per input:
 - **hang**: one input took more than :data:`HANG_S` seconds (inputs still running after :data:`ABORT_S` are
   interrupted with SIGALRM when the harness runs in the main thread);
 - **oracle violation**: an *independent* oracle, written here from the wire format and sharing no code with
-  ``protocol/schema.py`` or the decoders, decides for every input whether it must be accepted, and with what
+  ``protocol/wire/schema.py`` or the decoders, decides for every input whether it must be accepted, and with what
   result. Any disagreement, either way, is a failure: ``accepted_but_should_not`` (the dangerous one),
   ``rejected_but_should_not``, ``wrong_result``, and for frames ``over_read`` (asking the stream for more
   than the cap).
@@ -16,7 +16,7 @@ function that parses bytes from a peer, and checks three things per input:
 Targets (see :data:`ALL_TARGETS`):
 
 ``decode``
-    :func:`heterorl.protocol.messages.decode` on random bytes and on mutated valid messages: bit flips, byte
+    :func:`heterorl.protocol.wire.messages.decode` on random bytes and on mutated valid messages: bit flips, byte
     overwrites, truncation, extension, splicing two messages, and msgpack-level structure mutation (a node of
     the decoded tree replaced, deleted, duplicated, nested a thousand deep, made an ext type...).
 ``decode_signed``
@@ -25,14 +25,14 @@ Targets (see :data:`ALL_TARGETS`):
     missing fields, wrong run id, wrong protocol version, wrong message type... each *signed correctly* so
     that the signature check passes and the schema layer is what must refuse.
 ``frame``
-    :func:`heterorl.protocol.framing.read_frame` on an ``asyncio.StreamReader`` fed adversarial length
+    :func:`heterorl.protocol.net.framing.read_frame` on an ``asyncio.StreamReader`` fed adversarial length
     prefixes, truncated and trailing data, in pieces, with and without EOF.
 ``dht_record``
-    :meth:`heterorl.protocol.dht.SignedRecordValidator.validate` on honest, re-signed, forged, tampered and
+    :meth:`heterorl.protocol.net.dht.SignedRecordValidator.validate` on honest, re-signed, forged, tampered and
     wrongly typed ``DHTRecord`` objects: it must never raise and never accept a record not signed by its
     subkey's owner (nor one whose message, key or expiration is wrong).
 ``chunk_request``
-    ``heterorl.protocol.chunks._parse_request`` on random and mutated chunk requests.
+    ``heterorl.protocol.net.chunks._parse_request`` on random and mutated chunk requests.
 
 Inputs come from a seeded :class:`random.Random` generator and, for a share of each target's inputs
 (``hypothesis_share``, default 0.2), from hypothesis strategies (``@seed``-ed, no database, generate phase
@@ -76,9 +76,10 @@ from typing import Any
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from heterorl.protocol import framing, messages
-from heterorl.protocol.errors import ProtocolError
-from heterorl.protocol.identity import Identity
+from heterorl.protocol.net import framing
+from heterorl.protocol.wire import messages
+from heterorl.protocol.wire.errors import ProtocolError
+from heterorl.protocol.wire.identity import Identity
 
 ALL_TARGETS: tuple[str, ...] = ("decode", "decode_signed", "frame", "dht_record", "chunk_request")
 # Share of the requested inputs each target gets (normalised over the targets selected).
@@ -97,7 +98,7 @@ FRAME_GUARD_S = 3.0  # a read_frame loop (every call has its own short deadline)
 
 # ---------------------------------------------------------------------------------------------------------
 # The wire format, restated from the protocol documentation for the oracle. Deliberately NOT imported from
-# protocol/messages.py or protocol/schema.py: if the decoder and this table ever drift apart, the fuzzer
+# protocol/wire/messages.py or protocol/wire/schema.py: if the decoder and this table ever drift apart, the fuzzer
 # reports every disagreement.
 # ---------------------------------------------------------------------------------------------------------
 PROTOCOL_VERSION = 1
@@ -1545,7 +1546,7 @@ class DHTRecordTarget(_Target):
 
     def __init__(self, h: _Harness):
         super().__init__(h)
-        from heterorl.protocol import dht
+        from heterorl.protocol.net import dht
 
         self.dht = dht
         self.validator = dht.SignedRecordValidator(None, clock=lambda: NOW)
@@ -1760,7 +1761,7 @@ class ChunkRequestTarget(_Target):
 
     def __init__(self, h: _Harness):
         super().__init__(h)
-        from heterorl.protocol import chunks
+        from heterorl.protocol.net import chunks
 
         self.chunks = chunks
 

@@ -138,7 +138,7 @@ def _sync() -> None:
 
 def deltas(model, lr: float, updates: int, rollout_shape: tuple[int, int, int, int]) -> dict:
     from heterorl.peer.daemon.weights import weights_bytes
-    from heterorl.protocol.delta import apply_delta, changed_fraction, encode_delta
+    from heterorl.protocol.wire.delta import apply_delta, changed_fraction, encode_delta
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     prev = weights_bytes(model, "bfloat16")

@@ -100,7 +100,7 @@ class VersionMeter:
 
     def __call__(self, step: int, policy, stats: dict) -> None:
         from heterorl.peer.daemon.weights import weights_bytes
-        from heterorl.protocol.delta import apply_delta, changed_fraction, encode_delta
+        from heterorl.protocol.wire.delta import apply_delta, changed_fraction, encode_delta
 
         now = time.perf_counter()
         data = weights_bytes(policy, "bfloat16")

@@ -8,7 +8,8 @@ outbox and resends it when it comes back.
 
 What a checkpoint switch costs (``_fetch_bytes``), one of two models:
 
-- ``delta_ratio`` (sparse lossless bf16 deltas, ``protocol/delta.py``; the ratio ``heterorl bench weights``
+- ``delta_ratio`` (sparse lossless bf16 deltas, ``protocol/wire/delta.py``; the
+  ratio ``heterorl bench weights``
   measures is one learner update's compressed delta over the full checkpoint): a sampler holding version ``h``
   that wants ``t`` fetches the deltas in between, ``delta_ratio × (t - h)`` of the checkpoint (versions are
   learner steps, so a version published every ``publish_every`` updates costs that many updates' deltas: an
@@ -49,7 +50,7 @@ import statistics
 
 from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer, check_update_fits
 from heterorl.peer.learner.update import STALENESS_BUCKETS, staleness_bucket, staleness_refusal
-from heterorl.protocol.outbox import backoff_ceiling
+from heterorl.protocol.storage.outbox import backoff_ceiling
 
 from .fleet import HardwareClass, PeerSpec, draw_peers
 

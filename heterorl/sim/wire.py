@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 
 from heterorl.protocol import Identity, encode
-from heterorl.protocol.checkpoint import CHUNK_BYTES, check_manifest, chunk_length
-from heterorl.protocol.trajectories import new_batch_id
+from heterorl.protocol.net.trajectories import new_batch_id
+from heterorl.protocol.wire.checkpoint import CHUNK_BYTES, check_manifest, chunk_length
 
 
 def trajectory_batch_bytes(

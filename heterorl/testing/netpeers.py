@@ -30,7 +30,7 @@ def emit(event: str, **fields: object) -> None:
 
 def _node(args, identity):
     from heterorl.netflags import net_config_from_args
-    from heterorl.protocol.node import Node
+    from heterorl.protocol.net.node import Node
 
     return Node.start(identity, net_config_from_args(args))
 
@@ -77,8 +77,13 @@ def build_version(
     import torch
 
     from heterorl.protocol import encode
-    from heterorl.protocol.checkpoint import add_delta, manifest_body, referenced_hashes, serialize_state_dict
-    from heterorl.protocol.delta import CODEC, encode_delta
+    from heterorl.protocol.wire.checkpoint import (
+        add_delta,
+        manifest_body,
+        referenced_hashes,
+        serialize_state_dict,
+    )
+    from heterorl.protocol.wire.delta import CODEC, encode_delta
 
     data = serialize_state_dict({k: v.to(getattr(torch, dtype)) for k, v in state.items()})
     body, chunks = manifest_body(run_id, version, parent, data, dtype, chunk_bytes)
@@ -93,8 +98,8 @@ def build_version(
 
 
 def cmd_seed(args) -> None:
-    from heterorl.protocol.chunks import ChunkServer, publish_checkpoint
-    from heterorl.protocol.store import ChunkStore
+    from heterorl.protocol.net.chunks import ChunkServer, publish_checkpoint
+    from heterorl.protocol.storage.store import ChunkStore
 
     identity = _identity(args.key)
     store = ChunkStore(args.store, max_bytes=1 << 40)
@@ -146,8 +151,8 @@ def cmd_seed(args) -> None:
 
 
 def cmd_fetch(args) -> None:
-    from heterorl.protocol.chunks import ChunkServer, fetch_checkpoint, latest_manifest
-    from heterorl.protocol.store import ChunkStore
+    from heterorl.protocol.net.chunks import ChunkServer, fetch_checkpoint, latest_manifest
+    from heterorl.protocol.storage.store import ChunkStore
 
     store = ChunkStore(args.store, max_bytes=1 << 40)
     node = _node(args, _identity(args.key))
@@ -221,8 +226,8 @@ def cmd_fetch(args) -> None:
 
 
 def cmd_corrupt(args) -> None:
-    from heterorl.protocol.chunks import PROTOCOL, _announce, _parse_request
-    from heterorl.protocol.framing import read_frame, write_frame
+    from heterorl.protocol.net.chunks import PROTOCOL, _announce, _parse_request
+    from heterorl.protocol.net.framing import read_frame, write_frame
 
     node = _node(args, _identity(None))
     sizes = {}
@@ -253,8 +258,8 @@ def cmd_corrupt(args) -> None:
 
 
 def cmd_learner(args) -> None:
-    from heterorl.protocol.ledger import AcceptedLog
-    from heterorl.protocol.trajectories import TrajectoryReceiver
+    from heterorl.protocol.net.trajectories import TrajectoryReceiver
+    from heterorl.protocol.storage.ledger import AcceptedLog
 
     identity = _identity(args.key)
     ledger = AcceptedLog(args.ledger)
@@ -287,8 +292,8 @@ def cmd_learner(args) -> None:
 
 def cmd_sampler(args) -> None:
     from heterorl.protocol import encode
-    from heterorl.protocol.outbox import Outbox
-    from heterorl.protocol.trajectories import TrajectorySender, new_batch_id
+    from heterorl.protocol.net.trajectories import TrajectorySender, new_batch_id
+    from heterorl.protocol.storage.outbox import Outbox
 
     identity = _identity(args.key)
     outbox = Outbox(args.outbox)

@@ -14,10 +14,10 @@ from collections.abc import Callable
 import torch
 
 from heterorl.coordinator.runconfig import RunSettings
-from heterorl.protocol.checkpoint import deserialize_state_dict
-from heterorl.protocol.chunks import FetchReport, fetch_checkpoint, latest_manifest
-from heterorl.protocol.node import Node
-from heterorl.protocol.store import ChunkStore
+from heterorl.protocol.net.chunks import FetchReport, fetch_checkpoint, latest_manifest
+from heterorl.protocol.net.node import Node
+from heterorl.protocol.storage.store import ChunkStore
+from heterorl.protocol.wire.checkpoint import deserialize_state_dict
 
 from .weights import weights_hash
 

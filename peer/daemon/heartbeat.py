@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from heterorl.protocol.dht import peers_key
-from heterorl.protocol.messages import pack_stats
-from heterorl.protocol.node import Node
+from heterorl.protocol.net.dht import peers_key
+from heterorl.protocol.net.node import Node
+from heterorl.protocol.wire.messages import pack_stats
 
 from .join import dial_addresses, known_peers, remember_peers
 

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from heterorl.protocol import Identity, ProtocolError
-from heterorl.protocol.node import NetConfig, Node, Record
-from heterorl.protocol.spec import SpecServer, check_run_key, lookup_specs, request_spec
+from heterorl.protocol.net.node import NetConfig, Node, Record
+from heterorl.protocol.net.spec import SpecServer, check_run_key, lookup_specs, request_spec
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ import torch
 
 from heterorl.coordinator.runconfig import RunSettings
 from heterorl.protocol import Identity, ProtocolError, decode, encode
-from heterorl.protocol.checkpoint import add_delta, manifest_body, referenced_hashes
-from heterorl.protocol.chunks import ChunkServer, announce_checkpoint
-from heterorl.protocol.delta import CODEC as DELTA_CODEC
-from heterorl.protocol.delta import encode_delta
-from heterorl.protocol.ledger import AcceptedLog
-from heterorl.protocol.store import ChunkStore
-from heterorl.protocol.trajectories import TrajectoryReceiver
+from heterorl.protocol.net.chunks import ChunkServer, announce_checkpoint
+from heterorl.protocol.net.trajectories import TrajectoryReceiver
+from heterorl.protocol.storage.ledger import AcceptedLog
+from heterorl.protocol.storage.store import ChunkStore
+from heterorl.protocol.wire.checkpoint import add_delta, manifest_body, referenced_hashes
+from heterorl.protocol.wire.delta import CODEC as DELTA_CODEC
+from heterorl.protocol.wire.delta import encode_delta
 
 from ..learner.buffer import Buffered, TrajectoryBuffer
 from ..learner.intake import RewardCheck

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
     """Join and run until stopped; ``peer_class`` replaces the role's Sampler or Learner (hostile tests)."""
     from heterorl.netflags import net_config_from_args
     from heterorl.protocol import load_or_create_identity
-    from heterorl.protocol.node import DaemonDied
+    from heterorl.protocol.net.node import DaemonDied
 
     state_dir = Path(args.state_dir).expanduser()
     state_dir.mkdir(parents=True, exist_ok=True)

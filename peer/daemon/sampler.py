@@ -26,11 +26,11 @@ import torch
 
 from heterorl.coordinator.runconfig import RunSettings
 from heterorl.protocol import Identity, encode
-from heterorl.protocol.checkpoint import deserialize_state_dict
-from heterorl.protocol.chunks import ChunkServer
-from heterorl.protocol.outbox import Outbox
-from heterorl.protocol.store import ChunkStore
-from heterorl.protocol.trajectories import TrajectorySender, new_batch_id
+from heterorl.protocol.net.chunks import ChunkServer
+from heterorl.protocol.net.trajectories import TrajectorySender, new_batch_id
+from heterorl.protocol.storage.outbox import Outbox
+from heterorl.protocol.storage.store import ChunkStore
+from heterorl.protocol.wire.checkpoint import deserialize_state_dict
 
 from ..model.loader import load_config, load_tokenizer
 from ..model.prompts import PromptFormat

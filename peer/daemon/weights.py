@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from heterorl.protocol.checkpoint import deserialize_state_dict, serialize_state_dict
+from heterorl.protocol.wire.checkpoint import deserialize_state_dict, serialize_state_dict
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from heterorl.protocol.checkpoint import deserialize_state_dict, serialize_state_dict
+from heterorl.protocol.wire.checkpoint import deserialize_state_dict, serialize_state_dict
 
 
 def save_state(

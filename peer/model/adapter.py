@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from heterorl.coordinator.runconfig import AdapterSettings
-from heterorl.protocol.checkpoint import serialize_state_dict
+from heterorl.protocol.wire.checkpoint import serialize_state_dict
 
 PREFIX = "base_model.model."  # peft's prefix of saved adapter names
 A_SUFFIX, B_SUFFIX = ".lora_A.weight", ".lora_B.weight"

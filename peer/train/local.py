@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from heterorl.coordinator.runconfig import AdapterSettings
-from heterorl.protocol.checkpoint import serialize_state_dict
+from heterorl.protocol.wire.checkpoint import serialize_state_dict
 
 from .. import objectives
 from ..learner.update import Rows, update

@@ -25,14 +25,21 @@ from collections.abc import Callable, Iterable
 
 import msgpack
 
-from . import delta as delta_codec
-from .checkpoint import check_manifest, chunk_hash, chunk_length, delta_part, split, verify_chunk
-from .dht import checkpoints_key, providers_key
-from .errors import ProtocolError
-from .framing import FrameError, read_frame, write_frame
-from .messages import HASH_BYTES, decode
-from .node import Node
-from .store import ChunkStore
+from heterorl.protocol.net.dht import checkpoints_key, providers_key
+from heterorl.protocol.net.framing import FrameError, read_frame, write_frame
+from heterorl.protocol.net.node import Node
+from heterorl.protocol.storage.store import ChunkStore
+from heterorl.protocol.wire import delta as delta_codec
+from heterorl.protocol.wire.checkpoint import (
+    check_manifest,
+    chunk_hash,
+    chunk_length,
+    delta_part,
+    split,
+    verify_chunk,
+)
+from heterorl.protocol.wire.errors import ProtocolError
+from heterorl.protocol.wire.messages import HASH_BYTES, decode
 
 log = logging.getLogger(__name__)
 

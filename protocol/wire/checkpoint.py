@@ -21,7 +21,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .errors import ProtocolError
+from heterorl.protocol.wire.errors import ProtocolError
 
 if TYPE_CHECKING:
     import torch

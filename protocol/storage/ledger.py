@@ -15,7 +15,7 @@ keeps their ids, so dedupe still holds.
 
 Pure storage: no sockets, no asyncio. Every operation holds one lock, so an ``asyncio.to_thread`` worker and
 the main thread may share an instance. Not here: flow control (the receiver's ``has_room``), decoding or
-verifying the batches (see :mod:`.messages`, :mod:`.trajectories`).
+verifying the batches (see :mod:`protocol.wire.messages`, :mod:`protocol.net.trajectories`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .sqlite_util import open_store, transaction
+from heterorl.protocol.storage.sqlite_util import open_store, transaction
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from . import checkpoint
-from .errors import ProtocolError
-from .messages import HASH_BYTES, decode
+from heterorl.protocol.wire import checkpoint
+from heterorl.protocol.wire.errors import ProtocolError
+from heterorl.protocol.wire.messages import HASH_BYTES, decode
 
 TMP_PREFIX = ".tmp-"
 _HEX = frozenset("0123456789abcdef")

@@ -21,14 +21,14 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from .dht import peers_key
-from .errors import ProtocolError
-from .framing import FrameError, read_frame, write_frame
-from .identity import Identity
-from .ledger import AcceptedLog
-from .messages import BATCH_ID_BYTES, MAX_MESSAGE_BYTES, decode, encode
-from .node import Node
-from .outbox import Outbox
+from heterorl.protocol.net.dht import peers_key
+from heterorl.protocol.net.framing import FrameError, read_frame, write_frame
+from heterorl.protocol.net.node import Node
+from heterorl.protocol.storage.ledger import AcceptedLog
+from heterorl.protocol.storage.outbox import Outbox
+from heterorl.protocol.wire.errors import ProtocolError
+from heterorl.protocol.wire.identity import Identity
+from heterorl.protocol.wire.messages import BATCH_ID_BYTES, MAX_MESSAGE_BYTES, decode, encode
 
 log = logging.getLogger(__name__)
 

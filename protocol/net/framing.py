@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .errors import ProtocolError
+from heterorl.protocol.wire.errors import ProtocolError
 
 HEADER_BYTES = 4
 MAX_FRAME_BYTES = (1 << 32) - 1

@@ -27,7 +27,7 @@ import struct
 import msgpack
 import numpy as np
 
-from .errors import ProtocolError
+from heterorl.protocol.wire.errors import ProtocolError
 
 FORMAT = "heterorl-delta/1"
 CODEC = "sparse-zstd"  # the manifest's name for this format

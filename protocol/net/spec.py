@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from .dht import spec_key
-from .errors import ProtocolError
-from .framing import read_frame, write_frame
-from .messages import decode
-from .node import Node
+from heterorl.protocol.net.dht import spec_key
+from heterorl.protocol.net.framing import read_frame, write_frame
+from heterorl.protocol.net.node import Node
+from heterorl.protocol.wire.errors import ProtocolError
+from heterorl.protocol.wire.messages import decode
 
 log = logging.getLogger(__name__)
 

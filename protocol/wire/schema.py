@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from .errors import ProtocolError
+from heterorl.protocol.wire.errors import ProtocolError
 
 Check = Callable[[Any, str], Any]
 

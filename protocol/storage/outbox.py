@@ -12,7 +12,7 @@ says how long to sleep instead of polling. Items are not marked in flight: one s
 ``due``/``ack``/``retry``.
 
 Pure storage: no sockets, no asyncio. Every operation holds one lock, so a network thread and the main thread
-may share an instance. Not here: sending, message encoding or signing (see :mod:`.messages`).
+may share an instance. Not here: sending, message encoding or signing (see :mod:`protocol.wire.messages`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .sqlite_util import open_store, transaction
+from heterorl.protocol.storage.sqlite_util import open_store, transaction
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import msgpack
 
-from . import schema as s
-from .errors import ProtocolError
-from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, verify
+from heterorl.protocol.wire import schema as s
+from heterorl.protocol.wire.errors import ProtocolError
+from heterorl.protocol.wire.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, verify
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 << 20

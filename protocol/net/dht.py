@@ -1,7 +1,8 @@
 """DHT key names per run and the record validator that keeps the shared table honest.
 
 Every record a HeteroRL peer publishes lives under a per-run key, in a *subkey* equal to its author's Ed25519
-public key, and its value is a signed protocol message (:mod:`.messages`) wrapped with a second signature
+public key, and its value is a signed protocol message (:mod:`protocol.wire.messages`) wrapped with a
+second signature
 over (key, subkey, value, expiration). hivemind calls :class:`SignedRecordValidator` on every record another
 peer asks us to store and on every record a lookup returns, so:
 
@@ -25,9 +26,9 @@ import msgpack
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
-from .errors import ProtocolError
-from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, verify
-from .messages import MAX_MESSAGE_BYTES, decode
+from heterorl.protocol.wire.errors import ProtocolError
+from heterorl.protocol.wire.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, verify
+from heterorl.protocol.wire.messages import MAX_MESSAGE_BYTES, decode
 
 log = logging.getLogger(__name__)
 

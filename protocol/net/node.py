@@ -5,8 +5,8 @@ thread can spend seconds in torch (generation, a learner step) while its DHT nod
 chunk server keeps serving. Callers use :meth:`Node.call` (run a coroutine there and wait) or
 :meth:`Node.spawn` (a background task the node owns and cancels at :meth:`Node.close`).
 
-Layering (STYLE.md §5): hivemind P2P streams → :mod:`.framing` → typed services (:mod:`.chunks`,
-:mod:`.trajectories`) → peer logic in ``heterorl.peer``.
+Layering (STYLE.md §5): hivemind P2P streams → :mod:`protocol.net.framing` → typed services
+(:mod:`protocol.net.chunks`, :mod:`protocol.net.trajectories`) → peer logic in ``heterorl.peer``.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
-from .addresses import DEFAULT_HOST_MADDRS
-from .dht import MAX_TTL_S, SignedRecordValidator, record_key
-from .errors import ProtocolError
-from .identity import Identity
-from .messages import decode, encode
+from heterorl.protocol.net.addresses import DEFAULT_HOST_MADDRS
+from heterorl.protocol.net.dht import MAX_TTL_S, SignedRecordValidator, record_key
+from heterorl.protocol.wire.errors import ProtocolError
+from heterorl.protocol.wire.identity import Identity
+from heterorl.protocol.wire.messages import decode, encode
 
 log = logging.getLogger(__name__)
 
