@@ -17,7 +17,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from heterorl.protocol.settings import RunConfig, load_run_config
 
 log = logging.getLogger("heterorl.coordinator")
 
@@ -26,7 +29,7 @@ REJOIN_EVERY_S = 5.0  # how often a coordinator that knows no DHT peer calls the
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    from heterorl.netflags import add_net_arguments
+    from heterorl.protocol.net.flags import add_net_arguments
 
     ap.add_argument(
         "--run-config", default=None, help="run.toml (needed on first start; see --example-config)"
@@ -45,7 +48,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_net_arguments(ap)
 
 
-def _sign_spec(args: argparse.Namespace, state_dir: Path, identity) -> bytes:
+# (run config, model cache dir) -> (initial checkpoint hash, vocab size, base hash of an adapter run): loads
+# the model once. The peer side implements it (heterorl.peer.daemon.weights.initial_state); the CLI passes it
+# in, so the coordinator needs no torch of its own.
+InitialState = Callable[[RunConfig, Path], "tuple[bytes, int, bytes | None]"]
+
+
+def _sign_spec(args: argparse.Namespace, state_dir: Path, identity, initial_state: InitialState) -> bytes:
     """The stored RunSpec, or a new one signed from --run-config (model loaded once for its hash)."""
     from heterorl.protocol import decode, encode
 
@@ -63,20 +72,8 @@ def _sign_spec(args: argparse.Namespace, state_dir: Path, identity) -> bytes:
         return raw
     if not args.run_config:
         raise ValueError("first start needs --run-config run.toml (heterorl coordinator --example-config)")
-    from heterorl.peer.daemon.weights import resolve_model, weights_bytes, weights_hash
-    from heterorl.peer.model import load_model
-
-    from .runconfig import load_run_config
-
     cfg = load_run_config(args.run_config)
-    model, _tok = load_model(resolve_model(cfg.model, state_dir / "models"))
-    vocab_size = model.config.vocab_size
-    if cfg.adapter is None:
-        initial, base = weights_hash(weights_bytes(model, cfg.learner.checkpoint_dtype)), None
-    else:  # version 0 is the initial adapter; the base is named by its hash
-        from heterorl.peer.model.adapter import initial_hashes
-
-        initial, base = initial_hashes(model, cfg.adapter, cfg.learner.checkpoint_dtype)
+    initial, vocab_size, base = initial_state(cfg, state_dir / "models")
     body = cfg.runspec_body(initial, vocab_size, base_hash=base)
     raw = encode("RunSpec", body, identity)
     tmp = stored.with_suffix(".tmp")
@@ -88,15 +85,16 @@ def _sign_spec(args: argparse.Namespace, state_dir: Path, identity) -> bytes:
     return raw
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, initial_state: InitialState) -> int:
+    """Host the run until SIGTERM/SIGINT; ``initial_state`` hashes the model for a new RunSpec."""
     if args.example_config:
-        from .runconfig import EXAMPLE
+        from heterorl.protocol.settings import EXAMPLE
 
         print(EXAMPLE, end="")
         return 0
-    from heterorl.netflags import net_config_from_args
-    from heterorl.peer.daemon.main import _log_to_file
     from heterorl.protocol import decode, load_or_create_identity
+    from heterorl.protocol.logs import configure_logging
+    from heterorl.protocol.net.flags import net_config_from_args
     from heterorl.protocol.net.node import Node
     from heterorl.protocol.net.spec import SpecServer
 
@@ -105,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
 
     state_dir = Path(args.state_dir).expanduser()
     state_dir.mkdir(parents=True, exist_ok=True)
-    _log_to_file(state_dir / "coordinator.log", args.log_level)
+    configure_logging(args.log_level, state_dir / "coordinator.log")
     try:
         identity, _ = load_or_create_identity(args.key or state_dir / "coordinator.key")
-        raw = _sign_spec(args, state_dir, identity)
+        raw = _sign_spec(args, state_dir, identity, initial_state)
         config = net_config_from_args(args)
         # the same libp2p peer id after a restart: with a fixed port, peers' bootstrap addresses stay valid
         config = dataclasses.replace(config, identity_path=str(state_dir / "p2p.key"))
@@ -170,7 +168,7 @@ def _locked(lock: threading.Lock, fn):
 def _serve(
     node, raw: bytes, view, lock: threading.Lock, stop: threading.Event, poll_s: float, state_dir: Path
 ) -> None:
-    from heterorl.peer.daemon.join import dial_addresses, known_peers, remember_peers
+    from heterorl.protocol.net.join import dial_addresses, known_peers, remember_peers
 
     from .view import fetch_records
 

@@ -10,7 +10,7 @@ import time
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    from heterorl.netflags import add_net_arguments
+    from heterorl.protocol.net.flags import add_net_arguments
 
     ap.add_argument("--run-id", default=None, help="default: the run the bootstrap peers serve")
     ap.add_argument("--json", action="store_true", help="print the whole view as JSON")
@@ -22,9 +22,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from heterorl.netflags import net_config_from_args
-    from heterorl.peer.daemon.join import find_spec, start_node
     from heterorl.protocol import Identity
+    from heterorl.protocol.net.flags import net_config_from_args
+    from heterorl.protocol.net.join import find_spec, start_node
 
     from .view import SwarmView, fetch_records
 

@@ -15,12 +15,12 @@ from pathlib import Path
 from heterorl.protocol.net.dht import checkpoints_key, peers_key
 from heterorl.protocol.net.node import Node, Record
 from heterorl.protocol.wire.messages import unpack_stats
+from heterorl.protocol.wire.staleness import STALENESS_BUCKETS
 
 ALIVE_S = 15.0
 MAX_POINTS = 2000
 MAX_THROUGHPUT_POINTS = 300
 MAX_PEERS = 1000
-STALENESS_BUCKETS = ("0", "1", "2-3", "4-7", "8-15", "16+")
 
 
 async def fetch_records(node: Node, run_id: str) -> tuple[list[Record], list[Record]]:

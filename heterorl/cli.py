@@ -60,8 +60,8 @@ def _train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from heterorl.coordinator.runconfig import parse_adapter_flag
     from heterorl.peer.train import LocalConfig, run_local
+    from heterorl.protocol.settings import parse_adapter_flag
 
     try:
         obj_params = json.loads(args.objective_params) if args.objective_params else {}
@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per forward pass; the gradient stays the whole update's (default: all at once)",
     )
     tr.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    from heterorl.coordinator.runconfig import ADAPTER_FLAG_HELP
+    from heterorl.protocol.settings import ADAPTER_FLAG_HELP
 
     tr.add_argument("--adapter", default=None, metavar="SPEC", help=ADAPTER_FLAG_HELP)
     tr.add_argument("--seed", type=int, default=0)
@@ -258,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
         _module(module).add_arguments(rp)
         rp.set_defaults(fn=lambda args, module=module: _module(module).run(args))
+        if name == "coordinator":
+            rp.set_defaults(fn=_coordinator)
 
     bench = sub.add_parser("bench", help="benchmarks that print their figures")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
@@ -287,6 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _coordinator(args: argparse.Namespace) -> int:
+    """The coordinator, given the peer's model loader to hash a new run's initial weights (the CLI is where
+    the coordinator and peer packages meet; neither imports the other)."""
+    from heterorl.coordinator.daemon import run
+    from heterorl.peer.daemon.weights import initial_state
+
+    return run(args, initial_state)
+
+
 def _bench_module(name: str):
     return _module(f"heterorl.bench.{name}")
 
@@ -299,7 +310,9 @@ def _module(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from heterorl.protocol.logs import configure_logging
+
+    configure_logging("INFO")
     return args.fn(args)
 
 

@@ -22,7 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from heterorl.coordinator.runconfig import ADAPTER_FLAG_HELP, AdapterSettings, parse_adapter_flag
+from heterorl.protocol.settings import ADAPTER_FLAG_HELP, AdapterSettings, parse_adapter_flag
+from heterorl.protocol.wire.staleness import STALENESS_BUCKETS
 
 log = logging.getLogger("heterorl.local")
 
@@ -316,7 +317,7 @@ def _summary(out: Path, samplers: list[Path], view: dict | None, wall: float) ->
         "reward_curve": curve,
         "reward_first10": sum(curve[:k]) / k if k else None,
         "reward_last10": sum(curve[-k:]) / k if k else None,
-        "staleness": {b: hist.get(b, 0) for b in ("0", "1", "2-3", "4-7", "8-15", "16+")},
+        "staleness": {b: hist.get(b, 0) for b in STALENESS_BUCKETS},
         "is_var_curve": [r.get("is/var") for r in rows],
         "ess_curve": [r.get("is/ess") for r in rows],
         "batches_accepted": accepted,

@@ -10,12 +10,6 @@ import random
 import pytest
 import torch
 
-from heterorl.coordinator.runconfig import (
-    AdapterSettings,
-    RunSettings,
-    parse_adapter_flag,
-    parse_run_config,
-)
 from heterorl.peer.daemon.weights import weights_bytes, weights_hash
 from heterorl.peer.model import adapter as lora
 from heterorl.peer.model import completion_logprobs, load_model
@@ -23,6 +17,12 @@ from heterorl.peer.model.prompts import PromptFormat
 from heterorl.peer.rollout import SamplingParams, make_backend
 from heterorl.peer.rollout.adapter import AdapterBackend
 from heterorl.peer.tasks import get_task
+from heterorl.protocol.settings import (
+    AdapterSettings,
+    RunSettings,
+    parse_adapter_flag,
+    parse_run_config,
+)
 
 KEY = "ab" * 32
 QV = AdapterSettings(rank=8, alpha=16, target_modules=("q_proj", "v_proj"))

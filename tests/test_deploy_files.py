@@ -417,9 +417,9 @@ def test_compose_init_writes_a_run_toml_the_coordinator_accepts(tmp_path):
     assert (tmp_path / "shared" / "coordinator").is_dir()
 
     try:
-        from heterorl.coordinator.runconfig import load_run_config
+        from heterorl.protocol.settings import load_run_config
     except ImportError as e:
-        pytest.skip(f"heterorl.coordinator.runconfig is not importable yet ({e}); run.toml not validated")
+        pytest.skip(f"heterorl.protocol.settings is not importable yet ({e}); run.toml not validated")
     cfg = load_run_config(run_toml)
     assert cfg.learner_keys == (learner,) and cfg.model == "tiny" and cfg.learner.max_staleness == -1
 
@@ -742,9 +742,9 @@ def test_readme_run_toml_is_a_valid_run_config(tmp_path):
     blocks = re.findall(r"^```toml\n(.*?)^```", (DEPLOY / "README.md").read_text(), re.S | re.M)
     assert len(blocks) == 1, "one run.toml example in deploy/README.md"
     try:
-        from heterorl.coordinator.runconfig import load_run_config
+        from heterorl.protocol.settings import load_run_config
     except ImportError as e:
-        pytest.skip(f"heterorl.coordinator.runconfig is not importable yet ({e})")
+        pytest.skip(f"heterorl.protocol.settings is not importable yet ({e})")
     path = tmp_path / "run.toml"
     path.write_text(blocks[0].replace("<64 hex chars>", "ab" * 32))
     cfg = load_run_config(path)

@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 import torch
 
-from heterorl.coordinator.runconfig import EXAMPLE, LearnerSettings, RunSettings, parse_run_config
 from heterorl.peer.learner.update import (
     Rows,
     activation_checkpointing,
@@ -20,6 +19,7 @@ from heterorl.peer.learner.update import (
     update,
 )
 from heterorl.peer.model import completion_logprobs
+from heterorl.protocol.settings import EXAMPLE, LearnerSettings, RunSettings, parse_run_config
 
 V, N, T, VERSION = 41, 8, 5, 3
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from heterorl.coordinator import runconfig
 from heterorl.peer.model.prompts import CHAT_MODES, PromptFormat
 from heterorl.peer.model.tiny import build_tokenizer
+from heterorl.protocol import settings as runconfig
 
 TEMPLATE = (
     "{% for m in messages %}<bos>{{ m['role'] }}:{{ m['content'] }}<eos>{% endfor %}"
@@ -67,4 +67,4 @@ def test_chat_modes_are_validated(chat_tok):
         PromptFormat(build_tokenizer(), "on")
     with pytest.raises(ValueError, match="chat must be"):
         PromptFormat(chat_tok, "maybe")
-    assert runconfig.CHAT_MODES == CHAT_MODES  # the torch-free copy the run config validates with
+    assert runconfig.CHAT_MODES is CHAT_MODES  # one definition, torch-free

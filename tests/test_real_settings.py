@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from heterorl.coordinator.runconfig import RunSettings, parse_run_config
 from heterorl.peer.daemon.weights import weights_bytes
+from heterorl.protocol.settings import RunSettings, parse_run_config
 from heterorl.protocol.wire.checkpoint import deserialize_state_dict
 
 KEY = "ab" * 32

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from heterorl.peer.learner import RewardCheck
+from heterorl.peer.learner.intake import RewardCheck
 from heterorl.peer.model import build_tokenizer, completion_text, prompt_text
 from heterorl.peer.tasks import ArithmeticTask, CountdownTask, JsonlTask
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from heterorl.coordinator.runconfig import EXAMPLE, SamplerSettings, load_run_config, parse_run_config
+from heterorl.protocol.settings import EXAMPLE, SamplerSettings, load_run_config, parse_run_config
 from heterorl.testing.swarm import Swarm
 
 GENERATING_WHILE_FETCHING = re.compile(r"generating with version (\d+); fetching (\d+)")

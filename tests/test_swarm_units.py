@@ -8,10 +8,11 @@ import time
 import pytest
 import torch
 
-from heterorl.coordinator.runconfig import EXAMPLE, RunSettings, load_run_config, parse_run_config
 from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer
 from heterorl.peer.learner.state import load_state, save_state
-from heterorl.peer.learner.update import rows_from_bodies, staleness_bucket
+from heterorl.peer.learner.update import rows_from_bodies
+from heterorl.protocol.settings import EXAMPLE, RunSettings, load_run_config, parse_run_config
+from heterorl.protocol.wire.staleness import staleness_bucket
 
 KEY = "ab" * 32
 

@@ -396,9 +396,10 @@ def _switch(backend, model, prompt: list[int], repeats: int, out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from heterorl.protocol.logs import configure_logging
+
+    configure_logging("INFO")
     spec_file, result_file = argv or sys.argv[1:]
     res = vllm_sides(json.loads(Path(spec_file).read_text()))
     Path(result_file).write_text(json.dumps(res, indent=1))

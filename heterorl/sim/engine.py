@@ -48,9 +48,10 @@ import math
 import random
 import statistics
 
-from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer, check_update_fits
-from heterorl.peer.learner.update import STALENESS_BUCKETS, staleness_bucket, staleness_refusal
+from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer, staleness_refusal
+from heterorl.protocol.settings import check_update_fits
 from heterorl.protocol.storage.outbox import backoff_ceiling
+from heterorl.protocol.wire.staleness import STALENESS_BUCKETS, staleness_bucket
 
 from .fleet import HardwareClass, PeerSpec, draw_peers
 

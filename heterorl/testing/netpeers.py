@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import logging
 import os
 import sys
 import threading
@@ -29,7 +28,7 @@ def emit(event: str, **fields: object) -> None:
 
 
 def _node(args, identity):
-    from heterorl.netflags import net_config_from_args
+    from heterorl.protocol.net.flags import net_config_from_args
     from heterorl.protocol.net.node import Node
 
     return Node.start(identity, net_config_from_args(args))
@@ -356,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="role", required=True)
 
     def common(sp):
-        from heterorl.netflags import add_net_arguments
+        from heterorl.protocol.net.flags import add_net_arguments
 
         sp.add_argument("--run", default="test-run")
         add_net_arguments(sp)
@@ -403,9 +402,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--interval", type=float, default=0.05)
     s.add_argument("--timeout", type=float, default=120)
     args = p.parse_args(argv)
-    logging.basicConfig(
-        level=args.log, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
-    )
+    from heterorl.protocol.logs import configure_logging
+
+    configure_logging(args.log)
     {
         "seed": cmd_seed,
         "fetch": cmd_fetch,

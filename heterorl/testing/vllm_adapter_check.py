@@ -38,7 +38,6 @@ def run_checks(model_dir: str, targets: tuple[str, ...] = ("q_proj", "v_proj"), 
     import torch
     from peft import set_peft_model_state_dict
 
-    from heterorl.coordinator.runconfig import AdapterSettings
     from heterorl.peer.model import adapter as lora
     from heterorl.peer.model import load_model
     from heterorl.peer.model.prompts import PromptFormat
@@ -46,6 +45,7 @@ def run_checks(model_dir: str, targets: tuple[str, ...] = ("q_proj", "v_proj"), 
     from heterorl.peer.rollout.adapter import AdapterBackend
     from heterorl.peer.rollout.resilient import ResilientBackend
     from heterorl.peer.tasks import get_task
+    from heterorl.protocol.settings import AdapterSettings
 
     torch.manual_seed(0)
     settings = AdapterSettings(rank=8, alpha=16, target_modules=targets)

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from heterorl.coordinator.runconfig import RunSettings
 from heterorl.protocol.net.chunks import FetchReport, fetch_checkpoint, latest_manifest
 from heterorl.protocol.net.node import Node
+from heterorl.protocol.settings import RunSettings
 from heterorl.protocol.storage.store import ChunkStore
 from heterorl.protocol.wire.checkpoint import deserialize_state_dict
 

@@ -14,10 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from heterorl.protocol.net.dht import peers_key
+from heterorl.protocol.net.join import dial_addresses, known_peers, remember_peers
 from heterorl.protocol.net.node import Node
 from heterorl.protocol.wire.messages import pack_stats
-
-from .join import dial_addresses, known_peers, remember_peers
 
 log = logging.getLogger(__name__)
 

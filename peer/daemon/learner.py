@@ -20,33 +20,28 @@ from pathlib import Path
 
 import torch
 
-from heterorl.coordinator.runconfig import RunSettings
 from heterorl.protocol import Identity, ProtocolError, decode, encode
 from heterorl.protocol.net.chunks import ChunkServer, announce_checkpoint
+from heterorl.protocol.net.join import Joined
 from heterorl.protocol.net.trajectories import TrajectoryReceiver
+from heterorl.protocol.settings import RunSettings
 from heterorl.protocol.storage.ledger import AcceptedLog
 from heterorl.protocol.storage.store import ChunkStore
 from heterorl.protocol.wire.checkpoint import add_delta, manifest_body, referenced_hashes
 from heterorl.protocol.wire.delta import CODEC as DELTA_CODEC
 from heterorl.protocol.wire.delta import encode_delta
+from heterorl.protocol.wire.staleness import STALENESS_BUCKETS, staleness_bucket
 
-from ..learner.buffer import Buffered, TrajectoryBuffer
+from ..learner.buffer import Buffered, TrajectoryBuffer, staleness_refusal
 from ..learner.intake import RewardCheck
 from ..learner.state import load_state, save_state
-from ..learner.update import (
-    STALENESS_BUCKETS,
-    rows_from_bodies,
-    staleness_bucket,
-    staleness_refusal,
-    update,
-)
+from ..learner.update import rows_from_bodies, update
 from ..model import adapter, load_model
 from ..model.prompts import PromptFormat
 from ..tasks import get_task
 from .announcer import Announcer
 from .hardware import Hardware
 from .heartbeat import Heartbeat, Status
-from .join import Joined
 from .weights import resolve_model, weights_bytes, weights_hash
 
 log = logging.getLogger(__name__)

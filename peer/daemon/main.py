@@ -19,7 +19,7 @@ log = logging.getLogger("heterorl.peer")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    from heterorl.netflags import add_net_arguments
+    from heterorl.protocol.net.flags import add_net_arguments
 
     ap.add_argument("--role", choices=("sampler", "learner"), default="sampler", help="default: sampler")
     ap.add_argument(
@@ -72,13 +72,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
     """Join and run until stopped; ``peer_class`` replaces the role's Sampler or Learner (hostile tests)."""
-    from heterorl.netflags import net_config_from_args
     from heterorl.protocol import load_or_create_identity
+    from heterorl.protocol.logs import configure_logging
+    from heterorl.protocol.net.flags import net_config_from_args
     from heterorl.protocol.net.node import DaemonDied
 
     state_dir = Path(args.state_dir).expanduser()
     state_dir.mkdir(parents=True, exist_ok=True)
-    _log_to_file(state_dir / f"{args.role}.log", args.log_level)
+    configure_logging(args.log_level, state_dir / f"{args.role}.log")
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -103,8 +104,9 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
 
     import torch
 
+    from heterorl.protocol.net.join import join
+
     from .hardware import detect
-    from .join import join
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is every thread?
     if args.threads:
@@ -154,17 +156,3 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
         joined.node.close()
     log.info("left the run")
     return 0
-
-
-def _log_to_file(path: Path, level: str) -> None:
-    """Log to stderr and to a size-capped file in the state directory."""
-    from logging.handlers import RotatingFileHandler
-
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handler = RotatingFileHandler(path, maxBytes=10 << 20, backupCount=2)
-    handler.setFormatter(fmt)
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(level.upper())
-    for noisy in ("hivemind", "urllib3", "filelock"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

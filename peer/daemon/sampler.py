@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from heterorl.coordinator.runconfig import RunSettings
 from heterorl.protocol import Identity, encode
 from heterorl.protocol.net.chunks import ChunkServer
+from heterorl.protocol.net.join import Joined
 from heterorl.protocol.net.trajectories import TrajectorySender, new_batch_id
+from heterorl.protocol.settings import RunSettings
 from heterorl.protocol.storage.outbox import Outbox
 from heterorl.protocol.storage.store import ChunkStore
 from heterorl.protocol.wire.checkpoint import deserialize_state_dict
@@ -40,7 +41,6 @@ from ..tasks import get_task
 from .follower import CheckpointFollower
 from .hardware import Hardware, rows_that_fit
 from .heartbeat import Heartbeat, Status
-from .join import Joined
 from .weights import resolve_model
 
 log = logging.getLogger(__name__)

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import torch
 
+from heterorl.protocol.settings import TINY_MODEL, RunConfig
 from heterorl.protocol.wire.checkpoint import deserialize_state_dict, serialize_state_dict
 
 log = logging.getLogger(__name__)
-
-TINY_MODEL = "tiny"
 
 
 def resolve_model(name: str, cache_dir: Path) -> str:
@@ -62,3 +61,18 @@ def load_weights(model: torch.nn.Module, data: bytes) -> None:
                 f"checkpoint tensor {name} has shape {tuple(t.shape)}, model {tuple(own[name].shape)}"
             )
     model.load_state_dict(state)
+
+
+def initial_state(cfg: RunConfig, cache_dir: Path) -> tuple[bytes, int, bytes | None]:
+    """What a new RunSpec names: the hash of version 0 (the weights in the checkpoint dtype, or for an adapter
+    run the initial adapter), the vocabulary size, and for an adapter run the base weights' hash."""
+    from heterorl.peer.model import load_model
+
+    model, _tok = load_model(resolve_model(cfg.model, cache_dir))
+    vocab_size = model.config.vocab_size
+    if cfg.adapter is None:
+        return weights_hash(weights_bytes(model, cfg.learner.checkpoint_dtype)), vocab_size, None
+    from heterorl.peer.model.adapter import initial_hashes  # version 0 is the initial adapter
+
+    initial, base = initial_hashes(model, cfg.adapter, cfg.learner.checkpoint_dtype)
+    return initial, vocab_size, base

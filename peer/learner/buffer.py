@@ -19,21 +19,6 @@ class Buffered:
         return len({r["group"] for r in self.body["rows"]})
 
 
-def check_update_fits(prompts_per_update: int, prompts_per_batch: int, buffer_batches: int) -> None:
-    """ValueError unless a full buffer holds one update's prompt groups.
-
-    The receiver says "busy" once ``buffer_batches`` batches wait, so with fewer than ``prompts_per_update``
-    groups in them the learner would wait for an update that can never fill (found by ``heterorl simulate``).
-    """
-    if buffer_batches * prompts_per_batch < prompts_per_update:
-        need = -(-prompts_per_update // prompts_per_batch)
-        raise ValueError(
-            f"learner.buffer_batches ({buffer_batches}) × sampler.prompts_per_batch ({prompts_per_batch}) = "
-            f"{buffer_batches * prompts_per_batch} prompt groups, fewer than learner.prompts_per_update "
-            f"({prompts_per_update}): the learner could never fill an update; set buffer_batches >= {need}"
-        )
-
-
 class TrajectoryBuffer:
     """FIFO of accepted batches. ``has_room`` drives the receiver's flow control ("busy, retry later")."""
 
@@ -69,3 +54,19 @@ class TrajectoryBuffer:
     def __len__(self) -> int:
         with self._cond:
             return len(self._items)
+
+
+def staleness_refusal(
+    step: int, policy_version: int, published_version: int, max_staleness: int
+) -> str | None:
+    """Why the learner at ``step`` refuses a batch sampled with ``policy_version``, or None to admit it.
+
+    A version newer than any published is a forgery or a bug; beyond ``max_staleness`` versions behind
+    (``-1``: no limit) the run drops the batch.
+    """
+    if policy_version > published_version:
+        return f"sampled with version {policy_version}, newer than any published"
+    lag = step - policy_version
+    if max_staleness >= 0 and lag > max_staleness:
+        return f"{lag} versions stale, the run drops beyond {max_staleness}"
+    return None

@@ -76,35 +76,6 @@ def rows_from_bodies(bodies: list[dict], pad_id: int) -> Rows:
     )
 
 
-def staleness_bucket(delta: int) -> str:
-    """0, 1, 2-3, 4-7, 8-15, 16+: the histogram buckets every view uses."""
-    if delta <= 1:
-        return str(max(0, delta))
-    for lo, hi in ((2, 3), (4, 7), (8, 15)):
-        if delta <= hi:
-            return f"{lo}-{hi}"
-    return "16+"
-
-
-STALENESS_BUCKETS = ("0", "1", "2-3", "4-7", "8-15", "16+")
-
-
-def staleness_refusal(
-    step: int, policy_version: int, published_version: int, max_staleness: int
-) -> str | None:
-    """Why the learner at ``step`` refuses a batch sampled with ``policy_version``, or None to admit it.
-
-    A version newer than any published is a forgery or a bug; beyond ``max_staleness`` versions behind
-    (``-1``: no limit) the run drops the batch.
-    """
-    if policy_version > published_version:
-        return f"sampled with version {policy_version}, newer than any published"
-    lag = step - policy_version
-    if max_staleness >= 0 and lag > max_staleness:
-        return f"{lag} versions stale, the run drops beyond {max_staleness}"
-    return None
-
-
 def plan_micro_batches(
     prompt_lengths: list[int], completion_width: int, budget: int | None
 ) -> list[tuple[int, int]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from heterorl.coordinator.runconfig import AdapterSettings
+from heterorl.protocol.settings import AdapterSettings
 from heterorl.protocol.wire.checkpoint import serialize_state_dict
 
 PREFIX = "base_model.model."  # peft's prefix of saved adapter names

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-CHAT_MODES = ("auto", "on", "off")
+from heterorl.protocol.settings import CHAT_MODES
+
 _SENTINEL = "\x00HETERORL-PROMPT\x00"  # stands for the task text while the template is rendered once
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from heterorl.protocol.settings import OBJECTIVES
+
 from ._batch import PolicyBatch
 from ._params import CommonParams
 
@@ -52,14 +54,18 @@ def register(
     *,
     params: type[CommonParams],
     aggregation: str,
-    advantage: str,
     token_advantages: bool = False,
 ) -> Callable[[ObjectiveFn], ObjectiveFn]:
-    """Register an objective under ``name``; a duplicate name is an error."""
+    """Register an objective under ``name``; a duplicate name is an error. Its default advantage estimator
+    comes from :data:`heterorl.protocol.settings.OBJECTIVES`, the torch-free list a run config is checked
+    against, so a name exists there first."""
 
     def deco(fn: ObjectiveFn) -> ObjectiveFn:
         if name in _OBJECTIVES:
             raise ValueError(f"objective {name!r} registered twice")
+        if name not in OBJECTIVES:
+            raise ValueError(f"objective {name!r} is not in heterorl.protocol.settings.OBJECTIVES")
+        advantage = OBJECTIVES[name]
         doc = (fn.__doc__ or "").strip().splitlines()
         _OBJECTIVES[name] = ObjectiveSpec(
             name, fn, params, aggregation, advantage, token_advantages, doc[0] if doc else ""

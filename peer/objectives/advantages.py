@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from heterorl.protocol.settings import ADVANTAGES
+
 from ._segments import group_index, segment_mean, segment_sum
 
 BNPO_MAX_WEIGHT = 1e6  # clamp of 1/f_Beta, as in the BNPO authors' code
@@ -52,6 +54,8 @@ def _register(name: str, params: type) -> Callable[[Callable[..., Tensor]], Call
     def deco(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         if name in _ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} registered twice")
+        if name not in ADVANTAGES:
+            raise ValueError(f"advantage estimator {name!r} is not in heterorl.protocol.settings.ADVANTAGES")
         _ESTIMATORS[name] = (fn, params)
         return fn
 

@@ -135,13 +135,13 @@ def _gepo(batch: PolicyBatch, p: GEPOParams, kl_threshold: float | None) -> Term
     return Terms(broadcast_seq(-obj, batch.mask), w.detach(), zlow, zhigh, extra)
 
 
-@register("gepo", params=GEPOParams, aggregation="seq_mean_token_mean", advantage="dr_grpo")
+@register("gepo", params=GEPOParams, aggregation="seq_mean_token_mean")
 def gepo(batch: PolicyBatch, p: GEPOParams) -> Terms:
     """GEPO (arXiv 2508.17850): w = p̃/Ê_q[q̃] per prompt group, sequence clip, defensive sampling."""
     return _gepo(batch, p, None)
 
 
-@register("gepo_plus", params=GEPOPlusParams, aggregation="seq_mean_token_mean", advantage="dr_grpo")
+@register("gepo_plus", params=GEPOPlusParams, aggregation="seq_mean_token_mean")
 def gepo_plus(batch: PolicyBatch, p: GEPOPlusParams) -> Terms:
     """GEPO+ (authors' code): per-sequence KL switch between q̃_b and the group expectation."""
     return _gepo(batch, p, p.kl_threshold)

@@ -40,7 +40,7 @@ def _require_seq_adv(batch: PolicyBatch, name: str) -> torch.Tensor:
     return batch.advantages
 
 
-@register("gspo", params=GSPOParams, aggregation="seq_mean_token_mean", advantage="grpo")
+@register("gspo", params=GSPOParams, aggregation="seq_mean_token_mean")
 def gspo(batch: PolicyBatch, p: CommonParams) -> Terms:
     """GSPO (arXiv 2507.18071 eq. 5-7): s_b = exp(d̄_b), sequence PPO clip (3e-4, 4e-4)."""
     adv = _require_seq_adv(batch, "gspo")
@@ -54,7 +54,6 @@ def gspo(batch: PolicyBatch, p: CommonParams) -> Terms:
     "gspo_token",
     params=GSPOTokenParams,
     aggregation="seq_mean_token_mean",
-    advantage="grpo",
     token_advantages=True,
 )
 def gspo_token(batch: PolicyBatch, p: TokenClipParams) -> Terms:
@@ -72,7 +71,7 @@ def gspo_token(batch: PolicyBatch, p: TokenClipParams) -> Terms:
     )
 
 
-@register("gmpo", params=GMPOParams, aggregation="seq_mean_token_mean", advantage="grpo")
+@register("gmpo", params=GMPOParams, aggregation="seq_mean_token_mean")
 def gmpo(batch: PolicyBatch, p: CommonParams) -> Terms:
     """GMPO (arXiv 2507.20673 eq. 4): A_b·exp(mean_t sign(A)·min(sign(A)d, sign(A)clip(d,−ε,ε))).
 

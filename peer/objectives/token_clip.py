@@ -46,20 +46,20 @@ class DrGRPOParams(TokenClipParams):
 
 
 @register(
-    "grpo", params=GRPOParams, aggregation="seq_mean_token_mean", advantage="grpo", token_advantages=True
+    "grpo", params=GRPOParams, aggregation="seq_mean_token_mean", token_advantages=True
 )
 def grpo(batch: PolicyBatch, p: TokenClipParams) -> Terms:
     """GRPO (DeepSeekMath, arXiv 2402.03300 eq. 3): token PPO clip ε=0.2, per-sequence token mean."""
     return _token_ppo(batch, p)
 
 
-@register("dapo", params=DAPOParams, aggregation="token_mean", advantage="grpo", token_advantages=True)
+@register("dapo", params=DAPOParams, aggregation="token_mean", token_advantages=True)
 def dapo(batch: PolicyBatch, p: TokenClipParams) -> Terms:
     """DAPO (arXiv 2503.14476 eq. 8): clip-higher (0.2, 0.28), token mean over the batch."""
     return _token_ppo(batch, p)
 
 
-@register("dr_grpo", params=DrGRPOParams, aggregation="constant", advantage="dr_grpo", token_advantages=True)
+@register("dr_grpo", params=DrGRPOParams, aggregation="constant", token_advantages=True)
 def dr_grpo(batch: PolicyBatch, p: TokenClipParams) -> Terms:
     """Dr. GRPO (arXiv 2503.20783 §3.2): token PPO clip, constant normaliser B·M, mean-only advantage."""
     return _token_ppo(batch, p)

@@ -39,7 +39,7 @@ class TOPRParams(CommonParams):
         CommonParams.__post_init__(self)
 
 
-@register("cispo", params=CISPOParams, aggregation="token_mean", advantage="grpo", token_advantages=True)
+@register("cispo", params=CISPOParams, aggregation="token_mean", token_advantages=True)
 def cispo(batch: PolicyBatch, p: CommonParams) -> Terms:
     """CISPO (MiniMax-M1, arXiv 2506.13585 eq. 4): sg(clip(ρ, 1−ε_lo, 1+ε_hi))·A·log π, token mean."""
     ratio = torch.exp(batch.logratio.detach())
@@ -59,7 +59,7 @@ def cispo(batch: PolicyBatch, p: CommonParams) -> Terms:
     )
 
 
-@register("topr", params=TOPRParams, aggregation="seq_mean_token_sum", advantage="dr_grpo")
+@register("topr", params=TOPRParams, aggregation="seq_mean_token_sum")
 def topr(batch: PolicyBatch, p: CommonParams) -> Terms:
     """TOPR (arXiv 2503.14286 eq. 7): w=1 for A≥0 (SFT-like), sg([π/μ]_0^c) for A<0; w·A·log π(τ).
 

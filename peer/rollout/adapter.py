@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from heterorl.coordinator.runconfig import AdapterSettings
+from heterorl.protocol.settings import AdapterSettings
 
 from ..model import adapter as lora
 from .base import RolloutBackend, Rollouts, SamplingParams

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from heterorl.coordinator.runconfig import AdapterSettings
+from heterorl.protocol.settings import AdapterSettings
 from heterorl.protocol.wire.checkpoint import serialize_state_dict
 
 from .. import objectives

@@ -1,5 +1,5 @@
 """``run.toml``: what a run is (model, task, objective, sampling, learner settings) and the RunSpec it
-signs to.
+signs to; :class:`RunSettings`, what a peer reads back out of a verified RunSpec.
 
 The coordinator reads the file once, signs a RunSpec from it and stores both in its state directory, so a
 restarted coordinator keeps the same run id and spec. Everything a peer needs that the RunSpec schema has no
@@ -19,8 +19,17 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-TINY_MODEL = "tiny"  # the offline tiny model, built where it is missing
-CHAT_MODES = ("auto", "on", "off")  # heterorl.peer.model.prompts.CHAT_MODES (kept torch-free here)
+from .base import (
+    ADVANTAGES,
+    CHAT_MODES,
+    OBJECTIVES,
+    TINY_MODEL,
+    check_int,
+    check_update_fits,
+    default_of,
+    setting,
+)
+from .roles import AdapterSettings, LearnerSettings, SamplerSettings
 
 EXAMPLE = """\
 # A HeteroRL run. `heterorl coordinator --run-config run.toml` signs a RunSpec from this file.
@@ -69,160 +78,40 @@ max_lag = 4                        # stop generating while more than 4 versions 
 
 
 @dataclasses.dataclass(frozen=True)
-class LearnerSettings:
-    """``[learner]``. micro_batch_tokens: token budget of one forward pass (rows × padded prompt+completion
-    width), the gradient staying the full update's; ``None``: one forward for the whole update.
-    gradient_checkpointing: recompute activations in backward (HF models). tis_cap: C of truncated
-    importance sampling against the sampler/learner mismatch on fresh rows (Yao et al. 2025); ``None``: off.
-    checkpoint_dtype: what published checkpoints hold (the samplers' dtype; bf16 for real models on GPUs):
-    the learner keeps training its float32 copy and publishes its rounding. deltas: offer each version also
-    as sparse lossless deltas (protocol/wire/delta.py) against each of this many most recent published
-    versions
-    (0: full only); a peer holding one of them fetches the smallest delta, everyone else the full state,
-    which every manifest still signs.
-    """
-
-    prompts_per_update: int = 16
-    group_size: int = 8
-    publish_every: int = 1
-    max_staleness: int = -1
-    buffer_batches: int = 16
-    grad_clip: float = 1.0
-    micro_batch_tokens: int | None = None
-    gradient_checkpointing: bool = False
-    tis_cap: float | None = None
-    checkpoint_dtype: str = "float32"
-    deltas: int = 4
-
-    def __post_init__(self) -> None:
-        if isinstance(self.deltas, bool) or not isinstance(self.deltas, int) or not 0 <= self.deltas <= 8:
-            raise ValueError(f"learner.deltas must be an integer in [0, 8], got {self.deltas!r}")
-        if self.checkpoint_dtype not in ("float32", "bfloat16"):
-            raise ValueError(
-                f"learner.checkpoint_dtype must be float32 or bfloat16, got {self.checkpoint_dtype!r}"
-            )
-        mbt = self.micro_batch_tokens
-        if mbt is not None and (isinstance(mbt, bool) or not isinstance(mbt, int) or mbt < 1):
-            raise ValueError(f"learner.micro_batch_tokens must be an integer >= 1 (or absent), got {mbt!r}")
-        if not isinstance(self.gradient_checkpointing, bool):
-            raise ValueError(
-                f"learner.gradient_checkpointing must be true or false, got {self.gradient_checkpointing!r}"
-            )
-        cap = self.tis_cap
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
-            raise ValueError(f"learner.tis_cap must be a number > 0 (or absent), got {cap!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class AdapterSettings:
-    """``[adapter]``: LoRA on a frozen base (W = W0 + alpha/rank · B A on each target Linear layer).
-
-    target_modules: module-name suffixes (``q_proj`` matches ``model.layers.0.self_attn.q_proj``), checked
-    against the model where it is loaded. base_hash: sha256 (hex) of the base weights in the checkpoint dtype,
-    filled in by the coordinator, never by run.toml. An adapter run typically wants ~10x full FT's lr.
-    """
-
-    rank: int = 8
-    alpha: float = 16.0
-    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
-    base_hash: str = ""
-
-    def __post_init__(self) -> None:
-        r = self.rank
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise ValueError(f"adapter.rank must be an integer >= 1, got {r!r}")
-        a = self.alpha
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0:
-            raise ValueError(f"adapter.alpha must be a number > 0, got {a!r}")
-        t = self.target_modules
-        if isinstance(t, str) or not isinstance(t, (list, tuple)) or not t:
-            raise ValueError(f"adapter.target_modules must be a non-empty list of module names, got {t!r}")
-        if not all(isinstance(x, str) and x and x.strip() == x for x in t):
-            raise ValueError(f"adapter.target_modules must hold non-empty module names, got {list(t)!r}")
-        object.__setattr__(self, "target_modules", tuple(t))
-        object.__setattr__(self, "alpha", float(a))
-        if not isinstance(self.base_hash, str) or (
-            self.base_hash and (len(self.base_hash) != 64 or set(self.base_hash) - set("0123456789abcdef"))
-        ):
-            raise ValueError("adapter.base_hash must be 64 lowercase hex characters")
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-
-ADAPTER_FLAG_HELP = (
-    "LoRA adapters on the frozen base instead of full fine-tuning, e.g. "
-    "rank=8,alpha=16,targets=q_proj,v_proj (targets: module-name suffixes); "
-    "adapter runs want ~10x the full-FT lr"
-)
-
-
-def parse_adapter_flag(text: str) -> AdapterSettings:
-    """``rank=8,alpha=16,targets=q_proj,v_proj`` (a bare name after ``targets=`` is one more target)."""
-    fields: dict[str, list[str]] = {}
-    key = None
-    for part in (p.strip() for p in text.split(",")):
-        if "=" in part:
-            key, value = (x.strip() for x in part.split("=", 1))
-            if key not in ("rank", "alpha", "targets") or key in fields:
-                raise ValueError(f"--adapter: unknown or repeated field {key!r} (rank, alpha, targets)")
-            fields[key] = [value]
-        elif key == "targets" and part:
-            fields[key].append(part)
-        else:
-            raise ValueError(f"--adapter: {part!r} is not field=value (e.g. rank=8,alpha=16,targets=q_proj)")
-    try:
-        kw: dict[str, Any] = {"rank": int(fields["rank"][0])} if "rank" in fields else {}
-        if "alpha" in fields:
-            kw["alpha"] = float(fields["alpha"][0])
-    except ValueError:
-        raise ValueError(f"--adapter: rank must be an integer and alpha a number, got {text!r}") from None
-    if "targets" in fields:
-        kw["target_modules"] = tuple(fields["targets"])
-    return AdapterSettings(**kw)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerSettings:
-    """``[sampler]``. max_lag: a sampler stops generating while the newest published version is more than
-    this many published versions ahead of the one it holds (it fetches in the background meanwhile; data it
-    made now would arrive stale); 0: generate only with the newest version known; -1: never stop. Samplers
-    also stop while the learner says it is busy."""
-
-    prompts_per_batch: int = 2
-    max_lag: int = 4
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_lag, bool) or not isinstance(self.max_lag, int) or self.max_lag < -1:
-            raise ValueError(f"sampler.max_lag must be an integer >= -1, got {self.max_lag!r}")
-
-
-@dataclasses.dataclass(frozen=True)
 class RunConfig:
-    run_id: str
-    learner_keys: tuple[str, ...]
-    model: str = TINY_MODEL
-    chat: str = "auto"
-    task: str = "arithmetic"
-    task_params: dict = dataclasses.field(default_factory=lambda: {"digits": 1})
-    objective: str = "gepo"
-    objective_params: dict = dataclasses.field(default_factory=dict)
-    advantage: str | None = None
-    lr: float = 5e-4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 6
-    max_batch_rows: int = 256
-    learner: LearnerSettings = LearnerSettings()
-    sampler: SamplerSettings = SamplerSettings()
-    adapter: AdapterSettings | None = None  # None: full fine-tuning
+    run_id: str = setting("", "the run's name (run.toml: omit for a random one)")
+    learner_keys: tuple[str, ...] = setting((), "hex Ed25519 public keys allowed to sign checkpoints")
+    model: str = setting(TINY_MODEL, "model path or hub id; 'tiny' is the offline tiny model")
+    chat: str = setting("auto", "prompts via the chat template: auto (if the tokenizer has one) | on | off")
+    task: str = setting("arithmetic", "arithmetic | countdown | jsonl:PATH")
+    task_params: dict = setting(None, "task parameters", factory=lambda: {"digits": 1})
+    objective: str = setting(
+        "gepo", "gepo (defensive sampling on stale data) | " + " | ".join(list(OBJECTIVES)[1:])
+    )
+    objective_params: dict = setting(None, 'objective parameters, e.g. {"clip": 0.3}', factory=dict)
+    advantage: str | None = setting(None, "grpo | dr_grpo | bnpo | rloo (default: the objective's)")
+    lr: float = setting(5e-4, "learning rate (AdamW)")
+    temperature: float = setting(1.0, "sampling temperature")
+    top_p: float = setting(1.0, "nucleus sampling mass")
+    max_new_tokens: int = setting(6, "completion length cap (tokens)")
+    max_batch_rows: int = setting(256, "most rows one TrajectoryBatch may carry")
+    learner: LearnerSettings = setting(LearnerSettings(), "[learner]")
+    sampler: SamplerSettings = setting(SamplerSettings(), "[sampler]")
+    adapter: AdapterSettings | None = setting(None, "[adapter]; absent: full fine-tuning")
 
     def __post_init__(self) -> None:
-        from heterorl.peer import objectives
-        from heterorl.peer.learner.buffer import check_update_fits
-
-        objectives.default_advantage(self.objective)  # ValueError naming the valid objectives
+        if not self.run_id:
+            raise ValueError("run_id is empty")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {self.objective!r}; valid: {', '.join(sorted(OBJECTIVES))}")
+        if self.advantage is not None and self.advantage not in ADVANTAGES:
+            raise ValueError(f"unknown advantage {self.advantage!r}; valid: {', '.join(ADVANTAGES)}")
+        for name in ("lr", "temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_int("limits.max_batch_rows", self.max_batch_rows, 1)
         if self.chat not in CHAT_MODES:
             raise ValueError(f"model.chat must be one of {', '.join(CHAT_MODES)}, got {self.chat!r}")
         learners = sorted({"tis_cap", "tis_logp", "tis_rows"} & set(self.objective_params))
@@ -234,9 +123,6 @@ class RunConfig:
             if len(bytes.fromhex(k)) != 32:
                 raise ValueError(f"learner key {k[:16]}… is not 64 hex characters")
         ls = self.learner
-        for name in ("prompts_per_update", "group_size", "publish_every", "buffer_batches"):
-            if getattr(ls, name) < 1:
-                raise ValueError(f"learner.{name} must be >= 1")
         if self.sampler.prompts_per_batch * ls.group_size > self.max_batch_rows:
             raise ValueError("sampler.prompts_per_batch × learner.group_size exceeds limits.max_batch_rows")
         check_update_fits(ls.prompts_per_update, self.sampler.prompts_per_batch, ls.buffer_batches)
@@ -314,18 +200,18 @@ def parse_run_config(data: dict) -> RunConfig:
     return RunConfig(
         run_id=str(data.get("run_id") or f"run-{secrets.token_hex(4)}"),
         learner_keys=tuple(data.get("learner_keys", ())),
-        model=str(model.get("path", TINY_MODEL)),
-        chat=str(model.get("chat", "auto")),
-        task=str(task.get("name", "arithmetic")),
-        task_params=dict(task.get("params", {"digits": 1})),
-        objective=str(obj.get("name", "gepo")),
+        model=str(model.get("path", default_of(RunConfig, "model"))),
+        chat=str(model.get("chat", default_of(RunConfig, "chat"))),
+        task=str(task.get("name", default_of(RunConfig, "task"))),
+        task_params=dict(task.get("params", default_of(RunConfig, "task_params"))),
+        objective=str(obj.get("name", default_of(RunConfig, "objective"))),
         objective_params=dict(obj.get("params", {})),
         advantage=obj.get("advantage"),
-        lr=float(obj.get("lr", 5e-4)),
-        temperature=float(sampling.get("temperature", 1.0)),
-        top_p=float(sampling.get("top_p", 1.0)),
-        max_new_tokens=int(sampling.get("max_new_tokens", 6)),
-        max_batch_rows=int(limits.get("max_batch_rows", 256)),
+        lr=float(obj.get("lr", default_of(RunConfig, "lr"))),
+        temperature=float(sampling.get("temperature", default_of(RunConfig, "temperature"))),
+        top_p=float(sampling.get("top_p", default_of(RunConfig, "top_p"))),
+        max_new_tokens=int(sampling.get("max_new_tokens", default_of(RunConfig, "max_new_tokens"))),
+        max_batch_rows=int(limits.get("max_batch_rows", default_of(RunConfig, "max_batch_rows"))),
         learner=_pick(data.get("learner", {}), LearnerSettings, "learner"),
         sampler=_pick(data.get("sampler", {}), SamplerSettings, "sampler"),
         adapter=_adapter(data["adapter"]) if "adapter" in data else None,
@@ -381,13 +267,13 @@ class RunSettings:
             return cls(
                 run_id=body["run_id"],
                 model=body["model"],
-                chat=str(hp.get("chat", "auto")),
+                chat=str(hp.get("chat", default_of(RunConfig, "chat"))),
                 task=body["task"],
                 task_params=dict(hp.get("task_params", {})),
                 objective=body["objective"],
                 objective_params=dict(hp.get("objective_params", {})),
                 advantage=hp.get("advantage"),
-                lr=float(hp.get("lr", 1e-3)),
+                lr=float(hp.get("lr", default_of(RunConfig, "lr"))),
                 temperature=body["sampling"]["temperature"],
                 top_p=body["sampling"]["top_p"],
                 max_new_tokens=body["sampling"]["max_new_tokens"],
