@@ -10,6 +10,9 @@ import msgpack
 import pytest
 
 from heterorl.bench import fuzz
+from heterorl.bench.fuzz.harness import _Harness
+from heterorl.bench.fuzz.oracle import _Reject
+from heterorl.bench.fuzz.runner import _split
 from heterorl.protocol import Identity, ProtocolError, decode, encode
 from heterorl.protocol.net import framing
 from heterorl.protocol.wire import messages
@@ -89,7 +92,7 @@ def test_bounded_run_exercises_every_target(bounded):
     assert bounded.wall_s < 30
     assert set(bounded.targets) == set(fuzz.ALL_TARGETS)
     for name, t in bounded.targets.items():
-        assert t.inputs == fuzz._split(BOUNDED_INPUTS, fuzz.ALL_TARGETS)[name]
+        assert t.inputs == _split(BOUNDED_INPUTS, fuzz.ALL_TARGETS)[name]
         assert t.rejected > 0, f"{name} never refused an input"
         assert t.accepted > 0, f"{name} never accepted an input: the generators only make garbage"
         assert t.sources.get("hypothesis", 0) > 0 and t.sources.get("random", 0) > 0
@@ -200,7 +203,7 @@ def test_a_framer_without_a_deadline_is_a_hang(monkeypatch):
     async def forever(reader, max_bytes, timeout):
         await asyncio.sleep(3600)
 
-    monkeypatch.setattr(fuzz, "FRAME_GUARD_S", 0.05)
+    monkeypatch.setattr(fuzz.config, "FRAME_GUARD_S", 0.05)
     monkeypatch.setattr(framing, "read_frame", forever)
     report = fuzz.run_fuzz(5, targets=["frame"], progress=False, hypothesis_share=0)
     t = report.targets["frame"]
@@ -241,7 +244,7 @@ def test_a_slow_input_is_a_hang(monkeypatch):
             time.sleep(0.03)
         return real(data, *a, **kw)
 
-    monkeypatch.setattr(fuzz, "HANG_S", 0.02)
+    monkeypatch.setattr(fuzz.config, "HANG_S", 0.02)
     monkeypatch.setattr(messages, "decode", slow)
     report = fuzz.run_fuzz(150, targets=["decode"], progress=False, hypothesis_share=0)
     t = report.targets["decode"]
@@ -258,7 +261,7 @@ def test_a_stuck_input_is_interrupted_and_the_run_goes_on(monkeypatch):
             time.sleep(60)
         return real(data, *a, **kw)
 
-    monkeypatch.setattr(fuzz, "ABORT_S", 0.2)
+    monkeypatch.setattr(fuzz.config, "ABORT_S", 0.2)
     monkeypatch.setattr(messages, "decode", stuck)
     t0 = time.perf_counter()
     report = fuzz.run_fuzz(40, targets=["decode"], progress=False, hypothesis_share=0)
@@ -287,7 +290,7 @@ def test_a_generator_bug_is_reported_not_swallowed(monkeypatch):
 
 def test_oracle_accepts_what_encode_makes_and_refuses_a_float_version():
     oracle = fuzz.Oracle()
-    h = fuzz._Harness(0)
+    h = _Harness(0)
     import random
 
     rng = random.Random(0)
@@ -297,11 +300,11 @@ def test_oracle_accepts_what_encode_makes_and_refuses_a_float_version():
         got = decode(data)
         assert h.oracle.message(data) == got
         assert encode(kind, body, h.honest[0])  # the generator's valid bodies pass the real encoder too
-        with pytest.raises(fuzz._Reject, match="not signed"):
+        with pytest.raises(_Reject, match="not signed"):
             oracle.message(data)  # another oracle never saw that signature: a forgery to it
     env = msgpack.unpackb(data)
     env["v"] = 1.0
-    with pytest.raises(fuzz._Reject, match="protocol version"):
+    with pytest.raises(_Reject, match="protocol version"):
         h.oracle.message(msgpack.packb(env))
 
 

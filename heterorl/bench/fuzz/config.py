@@ -1,0 +1,22 @@
+"""The run's settings: which targets exist, how the inputs are shared out, the hang limits, the DHT clock.
+
+The harness and the frame target read :data:`HANG_S`, :data:`ABORT_S` and :data:`FRAME_GUARD_S` from this
+module at run time (``config.HANG_S``), so a test that wants a shorter limit patches it here, once.
+"""
+
+from __future__ import annotations
+
+ALL_TARGETS: tuple[str, ...] = ("decode", "decode_signed", "frame", "dht_record", "chunk_request")
+# Share of the requested inputs each target gets (normalised over the targets selected).
+TARGET_WEIGHTS = {
+    "decode": 0.30,
+    "decode_signed": 0.30,
+    "frame": 0.15,
+    "dht_record": 0.15,
+    "chunk_request": 0.10,
+}
+HANG_S = 1.0  # one input slower than this is a hang
+ABORT_S = 10.0  # one input still running after this is interrupted (main thread only)
+MAX_EXAMPLES = 10  # distinct failure signatures kept per target and failure kind
+NOW = 1.7e9  # the DHT validator's clock
+FRAME_GUARD_S = 3.0  # a read_frame loop (every call has its own short deadline) still running is a hang
