@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL_DIR = "runs/tiny-model"
-OBJECTIVES = ("gepo", "gepo_plus", "grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "cispo", "topr", "gmpo")
+DEFAULT_MODEL_DIR = "runs/tiny-model"  # = heterorl.peer.model.TINY_MODEL_DIR (kept torch-free here)
 
 
 def _model_init(args: argparse.Namespace) -> int:
@@ -41,18 +39,6 @@ def _model_import(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ensure_model(path: str, seed: int) -> str:
-    """Use ``path`` if it holds a model (or is a hub id); build the tiny model there if it is missing."""
-    p = Path(path)
-    if p.exists() or path != DEFAULT_MODEL_DIR:
-        return path
-    from heterorl.peer.model import build_tiny_model
-
-    logging.getLogger("heterorl").info("no model at %s: building the tiny offline model", path)
-    build_tiny_model(p, seed=seed)
-    return path
-
-
 def _train(args: argparse.Namespace) -> int:
     if not args.local:
         print(
@@ -60,13 +46,14 @@ def _train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from heterorl.peer.model import ensure_model
     from heterorl.peer.train import LocalConfig, run_local
     from heterorl.protocol.settings import parse_adapter_flag
 
     try:
         obj_params = json.loads(args.objective_params) if args.objective_params else {}
         cfg = LocalConfig(
-            model=_ensure_model(args.model, args.seed),
+            model=ensure_model(args.model, args.seed),
             task=args.task,
             task_params=json.loads(args.task_params),
             objective=args.objective,
@@ -183,19 +170,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MODEL_DIR,
         help="HF model path or hub id (default: the tiny model, built if missing)",
     )
-    tr.add_argument("--task", default="arithmetic", help="arithmetic | countdown | jsonl:PATH")
-    tr.add_argument("--task-params", default='{"digits": 1}', help="JSON of task parameters")
-    tr.add_argument("--objective", default="gepo", choices=OBJECTIVES)
-    tr.add_argument("--objective-params", default="", help='JSON of objective parameters, e.g. {"clip": 0.3}')
-    tr.add_argument("--advantage", default=None, help="grpo | dr_grpo | bnpo | rloo (default: objective's)")
-    tr.add_argument("--steps", type=int, default=200, help="learner updates")
-    tr.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    tr.add_argument("--group-size", type=int, default=8, help="responses per prompt")
+    from heterorl.protocol.settings import (
+        ADAPTER_FLAG_HELP,
+        ADVANTAGES,
+        CHAT_MODES,
+        CHECKPOINT_DTYPES,
+        OBJECTIVES,
+        LearnerSettings,
+        RunConfig,
+        add_flag,
+        default_of,
+    )
+
+    add_flag(tr, RunConfig, "task")
+    add_flag(tr, RunConfig, "task_params", default=json.dumps(default_of(RunConfig, "task_params")))
+    add_flag(tr, RunConfig, "objective", choices=list(OBJECTIVES))
+    add_flag(tr, RunConfig, "objective_params", default="")
+    add_flag(tr, RunConfig, "advantage", choices=ADVANTAGES)
+    tr.add_argument("--steps", type=int, default=200, help="learner updates (default: %(default)s)")
+    add_flag(tr, LearnerSettings, "prompts_per_update", "--prompts")
+    add_flag(tr, LearnerSettings, "group_size")
     tr.add_argument("--delay", type=int, default=0, help="rollouts come from the policy K versions old")
-    tr.add_argument("--lr", type=float, default=5e-4)
-    tr.add_argument("--temperature", type=float, default=1.0)
-    tr.add_argument("--max-new-tokens", type=int, default=6)
-    tr.add_argument("--top-p", type=float, default=1.0)
+    for name in ("lr", "temperature", "max_new_tokens", "top_p"):
+        add_flag(tr, RunConfig, name)
     tr.add_argument(
         "--backend",
         choices=("hf", "vllm"),
@@ -205,33 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument(
         "--engine-dtype",
-        choices=("float32", "bfloat16"),
+        choices=CHECKPOINT_DTYPES,
         default="float32",
         help="the rollout engine's dtype (the learner stays float32 on CPU): bfloat16 shows the "
         "inference/training mismatch",
     )
-    tr.add_argument(
-        "--chat",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="prompts through the tokenizer's chat template (auto: when it has one)",
-    )
-    tr.add_argument(
-        "--tis-cap",
-        type=float,
-        default=None,
-        help="truncated importance sampling C (Yao et al. 2025): weight each token by "
-        "min(pi_learner/pi_engine, C) against the engine/learner mismatch; default: off",
-    )
-    tr.add_argument(
-        "--micro-batch-tokens",
-        type=int,
-        default=None,
-        help="tokens per forward pass; the gradient stays the whole update's (default: all at once)",
-    )
-    tr.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    from heterorl.protocol.settings import ADAPTER_FLAG_HELP
-
+    add_flag(tr, RunConfig, "chat", choices=CHAT_MODES)
+    add_flag(tr, LearnerSettings, "tis_cap", type=float)
+    add_flag(tr, LearnerSettings, "micro_batch_tokens", type=int)
+    add_flag(tr, LearnerSettings, "gradient_checkpointing")
     tr.add_argument("--adapter", default=None, metavar="SPEC", help=ADAPTER_FLAG_HELP)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", default="runs/local", help="metrics.jsonl, summary.json, checkpoint/")
@@ -244,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
             "host a run: sign its RunSpec, bootstrap the DHT, dashboard",
         ),
         ("peer", "heterorl.peer.daemon.main", "join a run as a volunteer sampler (default) or the learner"),
-        ("local", "heterorl.local", "the whole swarm on this machine: coordinator, learner, N samplers"),
+        ("local", "heterorl.localswarm", "the whole swarm on this machine: coordinator, learner, N samplers"),
         ("status", "heterorl.coordinator.status", "what a swarm looks like, from any machine"),
         (
             "simulate",

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from heterorl.bench.throughput import swarm_window
-from heterorl.local import stop_all
+from heterorl.localswarm import stop_all
 from heterorl.protocol import load_or_create_identity
 from heterorl.protocol.storage.ledger import AcceptedLog
 from heterorl.testing.swarm import Swarm

@@ -178,7 +178,7 @@ def plots(results: list[dict], out: Path) -> list[Path]:
 def run_from_args(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from heterorl.cli import DEFAULT_MODEL_DIR, _ensure_model
+    from heterorl.peer.model import TINY_MODEL_DIR, ensure_model
 
     if args.quick:
         args.steps, args.prompts, args.seeds = 120, 8, [0, 1]
@@ -189,7 +189,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = _ensure_model(args.model or DEFAULT_MODEL_DIR, 0)
+    model = ensure_model(args.model or TINY_MODEL_DIR, 0)
     grid = [(o, d, delay, seed) for delay in args.delays for seed in args.seeds for o, d in variants]
     results, t0 = [], time.perf_counter()
     for o, d, delay, seed in tqdm(grid, desc="staleness runs", unit="run"):

@@ -381,8 +381,7 @@ def report(res: dict, args) -> str:
 def run_from_args(args: argparse.Namespace) -> int:
     import torch
 
-    from heterorl.cli import DEFAULT_MODEL_DIR, _ensure_model
-    from heterorl.peer.model import load_model
+    from heterorl.peer.model import TINY_MODEL_DIR, ensure_model, load_model
     from heterorl.peer.model.prompts import PromptFormat
 
     from . import throughput_micro as micro
@@ -400,7 +399,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         if not Path(model).exists():
             build_tiny_model(model, steps=20, hidden=args.hidden, layers=args.layers, progress=False)
     else:
-        model = _ensure_model(args.model or DEFAULT_MODEL_DIR, 0)
+        model = ensure_model(args.model or TINY_MODEL_DIR, 0)
     loaded, tok = load_model(model)
     n_params = sum(p.numel() for p in loaded.parameters())
     del loaded

@@ -55,7 +55,7 @@ def model_dir(name: str, cache: Path, given: str | None) -> str:
         from heterorl.peer.daemon.weights import resolve_model
 
         return resolve_model("tiny", cache)
-    from heterorl.local import REAL_MODEL_DIR
+    from heterorl.localswarm import REAL_MODEL_DIR
 
     path = Path(REAL_MODEL_DIR)
     if not (path / "config.json").exists():

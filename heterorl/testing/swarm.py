@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from heterorl.local import Proc, _ready_line, stop_all
+from heterorl.localswarm import Proc, ready_line, stop_all
 
 
 class Swarm:
@@ -61,7 +61,7 @@ class Swarm:
         if not (self.root / "coordinator" / "runspec.msgpack").exists():
             args += ["--run-config", str(self.run_toml())]
         self.coord = self._start("coordinator", [*args, *extra], stdout=subprocess.PIPE, wrap=wrap)
-        self.ready = _ready_line(self.coord, 120)
+        self.ready = ready_line(self.coord, 120)
         return self.ready
 
     def bootstrap(self) -> list[str]:

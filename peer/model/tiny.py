@@ -142,3 +142,17 @@ def build_tiny_model(
         out,
     )
     return out
+
+
+TINY_MODEL_DIR = "runs/tiny-model"  # where the CLI tools keep the tiny model when no --model is given
+
+
+def ensure_model(path: str, seed: int = 0) -> str:
+    """``path`` if it holds a model (or is a hub id); the tiny model is built at :data:`TINY_MODEL_DIR` when
+    that is what is asked for and it is missing."""
+    p = Path(path)
+    if p.exists() or path != TINY_MODEL_DIR:
+        return path
+    log.info("no model at %s: building the tiny offline model", path)
+    build_tiny_model(p, seed=seed)
+    return path

@@ -74,7 +74,10 @@ def add_flag(
 ) -> argparse.Action:
     """``--name-with-dashes`` for setting ``cls.name``: its default, help and type, unless overridden."""
     default = default_of(cls, name)
-    kw: dict[str, Any] = {"default": default, "help": f"{help_of(cls, name)} (default: %(default)s)"}
+    kw: dict[str, Any] = {"default": default, "help": help_of(cls, name)}
+    kw.update(overrides)
+    if kw["default"] not in (None, "", False):
+        kw["help"] += " (default: %(default)s)"
     if isinstance(default, bool):
         kw["action"] = argparse.BooleanOptionalAction
     elif isinstance(default, (int, float)):

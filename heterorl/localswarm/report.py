@@ -1,0 +1,105 @@
+"""What ``heterorl local`` shows and leaves behind: the live view, summary.json, the reward curve line."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+import urllib.request
+from pathlib import Path
+
+from heterorl.protocol.wire.staleness import STALENESS_BUCKETS
+
+log = logging.getLogger("heterorl.localswarm")
+
+
+def view_of(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(url + "api/view", timeout=5) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def render(view: dict, steps: int, started: float) -> list[str]:
+    lr = view.get("learner", {})
+    curve = lr.get("reward_curve", [])
+    reward = f"{curve[-1][1]:.3f}" if curve else "-"
+    first = f"{sum(p[1] for p in curve[:5]) / len(curve[:5]):.3f}" if curve else "-"
+    hist = lr.get("staleness_hist", {})
+    lines = [
+        f"run {view.get('run_id')}  {time.monotonic() - started:5.0f} s   "
+        f"learner step {lr.get('step', 0)}/{steps}   reward {reward} (first {first})   "
+        f"checkpoint v{view.get('latest_version')}",
+        f"batches accepted {lr.get('accepted', 0)}  rejected {lr.get('rejected', 0)}   staleness "
+        + " ".join(f"{k}:{v}" for k, v in hist.items()),
+    ]
+    for p in view.get("peers", []):
+        lines.append(
+            f"  {p['role']:8s} {p['key']}  v{p['policy_version']:<4} {p['tokens_per_s']:7.0f} tok/s  "
+            f"{'alive' if p['alive'] else 'gone '}  {p['state'][:48]}"
+        )
+    return lines
+
+
+def summarise(out: Path, samplers: list[Path], view: dict | None, wall: float) -> dict:
+    from heterorl.protocol.storage.ledger import AcceptedLog
+
+    steps: dict[int, dict] = {}
+    metrics = out / "learner" / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            row = json.loads(line)
+            steps[row["step"]] = row  # a replayed step (after a learner restart) replaces the lost one
+    rows = [steps[k] for k in sorted(steps)]
+    hist: collections.Counter[str] = collections.Counter()
+    for r in rows:
+        hist.update(r.get("staleness_hist", {}))
+    final = {}
+    final_path = out / "learner" / "final_stats.json"
+    if final_path.exists():
+        final = json.loads(final_path.read_text())
+    with AcceptedLog(out / "learner" / "accepted.sqlite") as ledger:
+        accepted, applied = ledger.count(), ledger.applied_count()
+    per_sampler = {}
+    for d in samplers:
+        loads = []
+        vf = d / "versions.jsonl"
+        if vf.exists():
+            loads = [json.loads(line) for line in vf.read_text().splitlines() if line.strip()]
+        per_sampler[d.name] = {
+            "versions_loaded": [x["version"] for x in loads],
+            "fetched_bytes": sum(x.get("fetched_bytes", 0) for x in loads),
+            "fetched_via": dict(collections.Counter(x.get("via", "full") for x in loads)),
+        }
+    curve = [r["reward/mean"] for r in rows]
+    k = min(10, len(curve))
+    return {
+        "steps": len(rows),
+        "reward_curve": curve,
+        "reward_first10": sum(curve[:k]) / k if k else None,
+        "reward_last10": sum(curve[-k:]) / k if k else None,
+        "staleness": {b: hist.get(b, 0) for b in STALENESS_BUCKETS},
+        "is_var_curve": [r.get("is/var") for r in rows],
+        "ess_curve": [r.get("is/ess") for r in rows],
+        "batches_accepted": accepted,
+        "batches_applied": applied,
+        "batches_rejected": final.get("rejected", 0),
+        "rejections": final.get("rejected_by_reason", {}),
+        "samplers": per_sampler,
+        # compressed delta bytes over full checkpoint bytes, over the versions the learner offered a delta for
+        "delta_ratio": next((r["delta_ratio"] for r in reversed(rows) if r.get("delta_ratio")), None),
+        "wall_s": wall,
+        "peers_seen": len(view.get("peers", [])) if view else None,
+    }
+
+
+def curve_line(curve: list[float], points: int = 10) -> str:
+    """The curve in at most ``points`` numbers (means over equal spans of updates)."""
+    if not curve:
+        return "-"
+    span = max(1, -(-len(curve) // points))
+    parts = [curve[i : i + span] for i in range(0, len(curve), span)]
+    label = "per update" if span == 1 else f"mean of every {span} updates"
+    return " ".join(f"{sum(p) / len(p):.3f}" for p in parts) + f"  ({label})"
