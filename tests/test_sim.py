@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from heterorl.protocol.wire.checkpoint import CHUNK_BYTES
-from heterorl.sim.engine import SimConfig, Simulation
+from heterorl.sim.config import SimConfig
+from heterorl.sim.engine import Simulation
 from heterorl.sim.fleet import DEFAULT_FLEET, HardwareClass, draw_peers, load_fleet
 from heterorl.sim.wire import chunk_lengths, manifest_bytes, synthetic_manifest, trajectory_batch_bytes
 

@@ -1,6 +1,6 @@
 """Simulate a large HeteroRL run: thousands of heterogeneous volunteer samplers, churn, one learner.
 
-A discrete-event model (heterorl/sim/engine.py) that reuses the real bookkeeping: the learner's staleness
+A discrete-event model (heterorl/sim/) that reuses the real bookkeeping: the learner's staleness
 rule, bounded buffer and staleness buckets, the senders' backoff, the checkpoint chunking and the wire size
 of real signed messages. It reports the staleness distribution the learner sees, learner utilisation
 (training / publishing / waiting for data), where samplers' time goes, and bytes per peer per hour.
@@ -75,7 +75,7 @@ def _ratio_from_bench_json(spec: str) -> tuple[float, str]:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    from .engine import SimConfig
+    from .config import SimConfig
 
     d = SimConfig()
     ap.add_argument("--samplers", type=int, nargs="+", default=[100, 1000, 3000], help="fleet sizes to run")
@@ -149,7 +149,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace, n: int):
-    from .engine import SimConfig
+    from .config import SimConfig
 
     if not args.background_fetch and (args.max_lag is not None or args.no_busy_pause):
         raise ValueError("--max-lag and --no-busy-pause are the stop rule of --background-fetch: add it")

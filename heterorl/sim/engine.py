@@ -41,108 +41,18 @@ bottleneck.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import heapq
 import itertools
 import math
 import random
-import statistics
 
 from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer, staleness_refusal
-from heterorl.protocol.settings import check_update_fits
 from heterorl.protocol.storage.outbox import backoff_ceiling
-from heterorl.protocol.wire.staleness import STALENESS_BUCKETS, staleness_bucket
+from heterorl.protocol.wire.staleness import staleness_bucket
 
-from .fleet import HardwareClass, PeerSpec, draw_peers
-
-
-@dataclasses.dataclass(frozen=True)
-class SimConfig:
-    samplers: int = 1000
-    hours: float = 2.0
-    warmup_h: float = 0.25  # statistics leave this first stretch out
-    ramp_s: float = 600.0  # samplers join uniformly over this window
-    join_s: float = 20.0  # start-up of a (re)joining sampler: model load, DHT join
-    # the run
-    prompts_per_update: int = 16
-    group_size: int = 8
-    prompts_per_batch: int = 2
-    prompt_tokens: int = 100
-    completion_tokens: int = 300  # mean; each batch's mean is drawn around it
-    buffer_batches: int = 16
-    max_staleness: int = -1
-    publish_every: int = 1
-    # the learner
-    learner_tokens_per_s: float = 20_000.0  # training tokens (prompt + completion) per second, fwd+bwd
-    publish_s: float = 3.0  # serialise, chunk, sign, announce
-    announce_s: float = 2.0  # until a published manifest is found in the DHT
-    # the checkpoint
-    model_bytes: int = 3_087_000_000  # 1.54B parameters in bfloat16
-    changed_frac: float = 1.0  # chunk model: fraction of chunks one update changes (1: full fine-tuning)
-    delta_ratio: float | None = None  # one update's bf16 delta / full checkpoint (None: chunk model)
-    delta_bases: int | None = None  # a peer more published versions behind than this fetches in full
-    providers: int = 8
-    # samplers
-    max_pending: int = 4
-    spread: float = 0.3
-    churn: bool = True
-    background_fetch: bool = False  # generate with the held version while fetching, with the stop rule:
-    max_lag: int = 4  # no new batch while more than this many published versions behind (-1: never)
-    busy_pause: bool = True  # no new batch until the learner's "busy" retry time
-    watch_s: float = 5.0  # a new manifest is found within this (the daemon's watcher polls every 0.5-5 s)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for f in ("samplers", "prompts_per_update", "group_size", "prompts_per_batch", "buffer_batches"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"{f} must be >= 1")
-        check_update_fits(self.prompts_per_update, self.prompts_per_batch, self.buffer_batches)
-        if not 0 <= self.warmup_h < self.hours:
-            raise ValueError("warmup_h must lie in [0, hours)")
-        if not 0 < self.changed_frac <= 1:
-            raise ValueError("changed_frac must lie in (0, 1]")
-        if self.delta_ratio is not None:
-            if not 0 < self.delta_ratio <= 1:
-                raise ValueError(f"delta_ratio must lie in (0, 1], got {self.delta_ratio}")
-            if self.changed_frac != 1.0:
-                raise ValueError("delta_ratio and changed_frac are two models of a switch: give one")
-        if self.delta_bases is not None and self.delta_bases < 1:
-            raise ValueError("delta_bases must be >= 1 (or None: no limit)")
-        if self.max_lag < -1:
-            raise ValueError("max_lag must be >= -1 (-1: never stop)")
-        if self.learner_tokens_per_s <= 0 or self.publish_s < 0 or self.announce_s < 0:
-            raise ValueError("learner_tokens_per_s must be > 0; publish_s and announce_s >= 0")
-
-    @property
-    def update_s(self) -> float:
-        """Seconds of one learner update: its tokens over the learner's training rate."""
-        rows = self.prompts_per_update * self.group_size
-        return rows * (self.prompt_tokens + self.completion_tokens) / self.learner_tokens_per_s
-
-
-@dataclasses.dataclass
-class Batch:
-    version: int
-    groups: int
-    nbytes: int
-    attempts: int = 0
-
-
-class SimSampler:
-    def __init__(self, idx: int, spec: PeerSpec) -> None:
-        self.idx, self.spec = idx, spec
-        self.online = False
-        self.epoch = 0  # bumped when it leaves: events of an older epoch are void
-        self.version: int | None = None
-        self.outbox: collections.deque[Batch] = collections.deque()
-        self.sending = False
-        self.fetching = False
-        self.waiting = False  # generation paused on a full outbox
-        self.busy_until = 0.0  # the learner said "busy": its retry time (the stop rule waits for it)
-        self.time = collections.Counter()  # state -> seconds (inside the measured window)
-        self.state, self.state_since = "offline", 0.0
-        self.down_bytes = 0
-        self.up_bytes = 0
+from .config import Batch, SimConfig, SimSampler
+from .fleet import HardwareClass, draw_peers
+from .results import summarise
 
 
 class Simulation:
@@ -453,68 +363,4 @@ class Simulation:
         for s in self.samplers:
             self._set_state(s, s.state)
         self._set_learner(self.learner_state)
-        return self._result(events)
-
-    def _result(self, events: int) -> dict:
-        window_h = (self.t_end - self.t_start) / 3600
-        total = sum(self.stale.values()) or 1
-        values = sorted(self.stale_values) or [0]
-
-        def q(p: float) -> int:
-            return values[min(len(values) - 1, int(p * len(values)))]
-
-        learner_total = sum(self.learner_time.values()) or 1
-        per_h = [(s.down_bytes / window_h, s.up_bytes / window_h) for s in self.samplers]
-        downs, ups = sorted(d for d, _ in per_h), sorted(u for _, u in per_h)
-        state_s = collections.Counter()
-        for s in self.samplers:
-            state_s.update(s.time)
-        state_total = sum(state_s.values()) or 1
-        by_class = collections.defaultdict(list)
-        for s in self.samplers:
-            by_class[s.spec.cls.name].append(s)
-        return {
-            "config": dataclasses.asdict(self.cfg),
-            "events": events,
-            "window_h": window_h,
-            "updates_per_h": self.counts["updates"] / window_h,
-            "trajectories_per_s": self.counts["updates"]
-            * self.cfg.prompts_per_update
-            * self.cfg.group_size
-            / (window_h * 3600),
-            "learner": {
-                k: self.learner_time[k] / learner_total for k in ("training", "publishing", "waiting")
-            },
-            "learner_upload_GB_per_h": self.learner_up / window_h / 1e9,
-            "staleness": {
-                "buckets": {b: self.stale[b] / total for b in STALENESS_BUCKETS},
-                "mean": statistics.fmean(values),
-                "p50": q(0.5),
-                "p90": q(0.9),
-                "p99": q(0.99),
-                "max": values[-1],
-            },
-            "generation_lag": {  # what the stop rule bounds; staleness adds the time in outboxes and buffer
-                "mean": statistics.fmean(self.gen_lag) if self.gen_lag else 0.0,
-                "max": max(self.gen_lag, default=0),
-            },
-            "sampler_time": {k: v / state_total for k, v in sorted(state_s.items())},
-            "sampler_GB_per_h": {
-                "down_median": statistics.median(downs) / 1e9,
-                "down_p90": downs[int(0.9 * (len(downs) - 1))] / 1e9,
-                "up_median": statistics.median(ups) / 1e9,
-                "up_p90": ups[int(0.9 * (len(ups) - 1))] / 1e9,
-            },
-            "by_class": {
-                name: {
-                    "samplers": len(group),
-                    "generating": sum(s.time["generating"] for s in group)
-                    / max(1e-9, sum(sum(s.time.values()) for s in group)),
-                    "fetching": sum(s.time["fetching"] for s in group)
-                    / max(1e-9, sum(sum(s.time.values()) for s in group)),
-                    "down_GB_per_h": statistics.fmean(s.down_bytes for s in group) / window_h / 1e9,
-                }
-                for name, group in sorted(by_class.items())
-            },
-            "counts": dict(self.counts),
-        }
+        return summarise(self, events)
