@@ -103,3 +103,15 @@ def test_wait_idle_times_out_while_an_announce_hangs():
     assert not a.wait_idle(0.2)
     starts.started[0][1].set_result(None)
     assert a.wait_idle(0.2)
+
+
+def test_wait_idle_wakes_when_the_announce_ends_in_another_thread():
+    starts = Starts()
+    a = Announcer(starts)
+    a.announce(*_manifest(1))
+    waited: list[bool] = []
+    waiter = threading.Thread(target=lambda: waited.append(a.wait_idle(60)), daemon=True)
+    waiter.start()
+    threading.Timer(0.2, starts.started[0][1].set_result, (None,)).start()  # the network loop finishes it
+    waiter.join(30)  # notified, not left to its 60 s timeout (a missed wake would still end True, late)
+    assert waited == [True]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -26,6 +25,7 @@ class Announcer:
     def __init__(self, start: Callable[[bytes, dict], concurrent.futures.Future]) -> None:
         self._start_fn = start
         self._lock = threading.RLock()  # the done callback of an already finished future runs at once, here
+        self._changed = threading.Condition(self._lock)  # notified when an announce ends or fails to start
         self._in_flight: concurrent.futures.Future | None = None
         self._queued: Manifest | None = None
         self._failed: Manifest | None = None
@@ -56,12 +56,8 @@ class Announcer:
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until nothing is in flight or queued (before leaving); False on timeout."""
-        deadline = time.monotonic() + timeout
-        while not self.idle():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
+        with self._changed:
+            return self._changed.wait_for(self.idle, timeout)
 
     def _start(self, raw: bytes, body: dict) -> None:
         try:
@@ -70,6 +66,7 @@ class Announcer:
             self.failures += 1
             self._failed = (raw, body)
             log.debug("announce of version %d not started: %s", body["version"], e)
+            self._changed.notify_all()
             return
         self._in_flight = fut  # before the callback, which may run at once and clear it
         fut.add_done_callback(lambda f: self._done(f, raw, body))
@@ -102,3 +99,4 @@ class Announcer:
                 )
             if queued is not None:
                 self._start(*queued)
+            self._changed.notify_all()

@@ -74,6 +74,7 @@ class CheckpointFollower:
         self.last_refused: int | None = None
         self._ready: Prepared | None = None
         self._handing = False  # a prepared version is ready or being swapped in
+        self._handed = asyncio.Event()  # set (on the loop) once the main thread swapped it in
         self._lock = threading.Lock()
 
     def take(self) -> Prepared | None:
@@ -85,6 +86,7 @@ class CheckpointFollower:
     def swapped(self) -> None:
         """The main thread is done with the version :meth:`take` gave: the next fetch may start."""
         self._handing = False
+        self.node.call_soon(self._handed.set)
 
     def refuse(self, digest: bytes, version: int, why: object) -> None:
         """These signed bytes will never do: never fetch this manifest again."""
@@ -102,8 +104,10 @@ class CheckpointFollower:
     async def run(self) -> None:
         idle = fail = 0.0
         while True:
-            if self._handing:
-                await asyncio.sleep(0.05)
+            if self._handing:  # wait for swapped(); the flag is read again after the clear: no lost wake
+                self._handed.clear()
+                if self._handing:
+                    await self._handed.wait()
                 continue
             try:
                 changed = await self._once()

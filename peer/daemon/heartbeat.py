@@ -67,12 +67,13 @@ class Heartbeat:
         }
 
     async def publish_once(self) -> bool:
-        body = self.body(self.status(), await self.node.addresses())
+        st = await asyncio.to_thread(self.status)  # a sampler's status counts its outbox (sqlite)
+        body = self.body(st, await self.node.addresses())
         ok = await self.node.publish("Heartbeat", body, HEARTBEAT_TTL_S)
         self.published += ok
         self.failures += not ok
         if not ok or self.node.known_dht_peers() == 0:
-            known = known_peers(self.state_dir) if self.state_dir is not None else []
+            known = await asyncio.to_thread(known_peers, self.state_dir) if self.state_dir is not None else []
             answered = await self.node.rejoin(known)
             if answered:
                 log.warning("lost the DHT; rejoined through %d peer(s)", answered)

@@ -383,7 +383,10 @@ class Download:
                     else:
                         next_lookup = time.monotonic() + f.refresh_s
                         backoff = 0.5
-                wait_s = max(0.0, next_lookup - time.monotonic())
+                # with nothing left to hand out no lookup is due: wait for the workers, looking again every
+                # refresh_s (a worker may hand chunks back); an expired lookup time would spin here instead
+                wake_at = next_lookup if self.todo else time.monotonic() + f.refresh_s
+                wait_s = max(0.0, wake_at - time.monotonic())
                 if tasks:
                     done, _ = await asyncio.wait(tasks, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
                     tasks -= done

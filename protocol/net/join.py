@@ -7,6 +7,7 @@ and can rejoin through peers it met before when every bootstrap address is down.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -23,6 +24,8 @@ from heterorl.protocol.net.spec import SpecServer, check_run_key, lookup_specs, 
 log = logging.getLogger(__name__)
 
 MAX_KNOWN_PEERS = 32
+ASK_TIMEOUT_S = 30.0  # one DHT lookup or one bootstrap peer's answer, while looking for the RunSpec
+ASK_AGAIN_S = 1.0  # the RunSpec is the coordinator's to publish: nothing to wait on but asking again
 
 
 @dataclasses.dataclass
@@ -119,24 +122,21 @@ def start_node(identity: Identity, config: NetConfig, state_dir: Path, retries: 
 def find_spec(
     node: Node, bootstrap: list[str], run_id: str | None, pinned: bytes | None, timeout: float
 ) -> tuple[bytes, dict, bytes]:
-    """The run's RunSpec, from the DHT when the run id is known, else from the bootstrap peers."""
+    """The run's RunSpec, from the DHT when the run id is known, else from the bootstrap peers.
+
+    Blocks (one :meth:`Node.call`); TimeoutError when none is found within ``timeout`` seconds."""
+    return node.call(
+        _find_spec(node, bootstrap, run_id, pinned, timeout), timeout=timeout + 2 * ASK_TIMEOUT_S
+    )
+
+
+async def _find_spec(
+    node: Node, bootstrap: list[str], run_id: str | None, pinned: bytes | None, timeout: float
+) -> tuple[bytes, dict, bytes]:
     deadline = time.monotonic() + timeout
     said = False
     while True:
-        candidates: list[tuple[bytes, dict, bytes]] = []
-        if run_id:
-            try:
-                candidates += node.call(lookup_specs(node, run_id), timeout=30)
-            except Exception as e:
-                log.debug("spec lookup: %s", e)
-        for m in bootstrap:
-            if "/p2p/" not in m:
-                continue
-            try:
-                candidates.append(node.call(request_spec(node, m.split("/p2p/")[-1], (m,)), timeout=30))
-            except Exception as e:
-                log.debug("no RunSpec from %s: %s", m, e)
-        for raw, body, author in candidates:
+        for raw, body, author in await _spec_candidates(node, bootstrap, run_id):
             if run_id and body["run_id"] != run_id:
                 continue
             try:
@@ -145,14 +145,41 @@ def find_spec(
                 log.warning("refused a RunSpec: %s", e)
                 continue
             return raw, body, author
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left < 0:
             raise TimeoutError(
                 f"no RunSpec {'for run ' + run_id + ' ' if run_id else ''}found within {timeout:.0f} s"
             )
         if not said:
             log.info("joining: waiting for the RunSpec%s", f" of run {run_id}" if run_id else "")
             said = True
-        time.sleep(1.0)
+        await asyncio.sleep(min(ASK_AGAIN_S, left))
+
+
+async def _spec_candidates(
+    node: Node, bootstrap: list[str], run_id: str | None
+) -> list[tuple[bytes, dict, bytes]]:
+    """Ask the DHT (when the run id is known) and every bootstrap peer at once; the DHT's answers first."""
+    asks, what = [], []
+    if run_id:
+        asks.append(lookup_specs(node, run_id))
+        what.append("spec lookup")
+    for m in bootstrap:
+        if "/p2p/" in m:
+            asks.append(request_spec(node, m.split("/p2p/")[-1], (m,)))
+            what.append(f"RunSpec from {m}")
+    answers = await asyncio.gather(
+        *(asyncio.wait_for(a, ASK_TIMEOUT_S) for a in asks), return_exceptions=True
+    )
+    candidates: list[tuple[bytes, dict, bytes]] = []
+    for name, answer in zip(what, answers, strict=True):
+        if isinstance(answer, BaseException):  # unreachable, timed out, not a RunSpec: ask again later
+            log.debug("%s: %s", name, answer)
+        elif isinstance(answer, list):
+            candidates += answer
+        else:
+            candidates.append(answer)
+    return candidates
 
 
 def join(

@@ -2,8 +2,15 @@
 
 Everything network-side runs on a private asyncio loop in a background thread, so that a peer's main
 thread can spend seconds in torch (generation, a learner step) while its DHT node keeps answering and its
-chunk server keeps serving. Callers use :meth:`Node.call` (run a coroutine there and wait) or
-:meth:`Node.spawn` (a background task the node owns and cancels at :meth:`Node.close`).
+chunk server keeps serving. A :class:`Node` has two halves:
+
+- the async core: coroutines (:meth:`Node.publish`, :meth:`Node.lookup`, :meth:`Node.open_stream`, ...) that
+  run on the node's loop only (they refuse any other loop). Services await them from their handlers;
+- a thin synchronous facade for other threads: :meth:`Node.call` (run a coroutine there and wait),
+  :meth:`Node.spawn` (a background task the node owns and cancels at :meth:`Node.close`),
+  :meth:`Node.call_soon` (a plain callback there, e.g. to set an event) and reads that never block
+  (:attr:`Node.maddrs`, cached at start). The blocking entries (``call``, ``close``) raise RuntimeError when
+  called from the loop's own thread, where they would wait for themselves forever.
 
 Layering (STYLE.md §5): hivemind P2P streams → :mod:`protocol.net.framing` → typed services
 (:mod:`protocol.net.chunks`, :mod:`protocol.net.trajectories`) → peer logic in ``heterorl.peer``.
@@ -112,7 +119,12 @@ def sweep_stale_sockets(directory: str = "/tmp") -> int:
 
 
 class Node:
-    """Create with :meth:`Node.start`; close with :meth:`Node.close` (idempotent)."""
+    """Create with :meth:`Node.start`; close with :meth:`Node.close` (idempotent).
+
+    Coroutine methods are the async core: await them on the node's loop (from a handler, a spawned task, or
+    a coroutine given to :meth:`call`). Plain methods are the facade: safe from any thread, and those that
+    wait for the loop refuse its own thread.
+    """
 
     def __init__(self, identity: Identity, config: NetConfig):
         self.identity = identity
@@ -126,7 +138,7 @@ class Node:
         self.p2p: Any = None
         self.dht: Any = None
         self.peer_id = ""
-        self._addresses: list[str] = []
+        self._visible: tuple[str, ...] = ()  # the daemon's visible multiaddrs (with /p2p/<our id>), cached
 
     def _on_loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
         """hivemind's daemon-control tasks fail with a reset connection as the daemon stops: no error."""
@@ -185,14 +197,33 @@ class Node:
             failed = ", ".join(c.bootstrap) or "-"
             raise RuntimeError(f"could not join the DHT through {failed}: {e}") from e
         self.peer_id = self.p2p.peer_id.to_base58()
+        try:
+            await self.refresh_addresses()
+        except Exception as e:  # asked again on first use (addresses())
+            log.warning("our own addresses are not known yet: %s", e)
 
-    # ---- running things on the network loop ----
+    # ---- the synchronous facade (any thread; the blocking parts refuse the loop's own thread) ----
+
+    def on_loop_thread(self) -> bool:
+        """True when running on the node's own loop thread (where the blocking facade must not be used)."""
+        return threading.get_ident() == self._thread.ident
+
+    def _refuse_loop_thread(self, what: str) -> None:
+        if self.on_loop_thread():
+            raise RuntimeError(
+                f"Node.{what}() waits for the network loop and was called from that loop's own thread, "
+                "where it would wait for itself forever: await the coroutine instead"
+            )
 
     def call(self, coro: Coroutine, timeout: float | None = None) -> Any:
-        """Run ``coro`` on the network loop and return its result (from any other thread)."""
-        if self._closed:
-            coro.close()
-            raise RuntimeError("node is closed")
+        """Run ``coro`` on the network loop and return its result (from any thread but the loop's own)."""
+        try:
+            if self._closed:
+                raise RuntimeError("node is closed")
+            self._refuse_loop_thread("call")
+        except RuntimeError:
+            coro.close()  # never to run: no "coroutine was never awaited" warning either
+            raise
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return fut.result(timeout)
@@ -201,7 +232,12 @@ class Node:
             raise TimeoutError(f"network call did not finish in {timeout} s") from None
 
     def spawn(self, coro: Coroutine) -> concurrent.futures.Future:
-        """Run ``coro`` as a background task owned by this node (cancelled at close)."""
+        """Run ``coro`` as a background task owned by this node (cancelled at close); any thread, no wait.
+
+        RuntimeError once the node is closed (the task would never run)."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("node is closed")
 
         async def owned() -> Any:
             task = asyncio.current_task()
@@ -213,17 +249,70 @@ class Node:
 
         return asyncio.run_coroutine_threadsafe(owned(), self._loop)
 
+    def call_soon(self, callback: Callable[..., object], *args: object) -> None:
+        """Run the plain function ``callback(*args)`` on the network loop soon (any thread, no wait): e.g.
+        ``node.call_soon(event.set)`` to wake a task waiting on an ``asyncio.Event``. Once the node is
+        closed nothing runs on its loop any more, and the callback is dropped."""
+        if self._closed:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            self._loop.call_soon_threadsafe(callback, *args)
+
     @property
     def maddrs(self) -> list[str]:
-        """Addresses other peers can use to reach (and bootstrap through) this node."""
-        addrs = self.call(self.p2p.get_visible_maddrs(latest=True), timeout=30)
-        return [f"{a}/p2p/{self.peer_id}" if "/p2p/" not in str(a) else str(a) for a in addrs]
+        """Addresses other peers can use to reach (and bootstrap through) this node, ``/p2p/<id>`` included.
+
+        Learned once at start and cached (:meth:`refresh_addresses` asks the daemon again): never blocks.
+        """
+        return [a if "/p2p/" in a else f"{a}/p2p/{self.peer_id}" for a in self._visible]
 
     def plain_maddrs(self) -> list[str]:
-        """Listening addresses without the /p2p suffix (what goes into Heartbeat and Provider records)."""
-        return self.call(self.addresses(), timeout=30)
+        """Listening addresses without the /p2p suffix (what goes into Heartbeat and Provider records);
+        cached like :attr:`maddrs`, never blocks."""
+        return [a.split("/p2p/")[0] for a in self._visible]
 
-    # ---- DHT records ----
+    def check_daemon(self) -> None:
+        """Raise :class:`DaemonDied` once the go-libp2p daemon has exited."""
+        if not self.daemon_alive():
+            raise DaemonDied("the libp2p daemon died; exiting so that a supervisor restarts this peer")
+
+    def daemon_alive(self) -> bool:
+        """False once the go-libp2p daemon process has exited (the node is then useless: restart the peer)."""
+        # hivemind keeps the daemon's process private; its public is_alive says only whether we stopped it
+        child = getattr(self.p2p, "_child", None)
+        return child is None or child.returncode is None
+
+    def known_dht_peers(self) -> int:
+        """How many DHT peers our routing table holds (0 after a long outage: time to :meth:`rejoin`)."""
+        return len(self.dht.protocol.routing_table.uid_to_peer_id)
+
+    # ---- the async core: coroutines that run on the node's loop ----
+
+    def _require_loop(self, what: str) -> None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise RuntimeError(
+                f"Node.{what}() runs on the node's own loop: use node.call(...) or node.spawn(...) from "
+                "other threads"
+            )
+
+    async def refresh_addresses(self) -> list[str]:
+        """Ask the daemon for our visible addresses now (e.g. after a relay reservation) and cache them;
+        returns them without the /p2p suffix, like :meth:`addresses`."""
+        self._require_loop("refresh_addresses")
+        self._visible = tuple(str(a) for a in await self.p2p.get_visible_maddrs(latest=True))
+        return self.plain_maddrs()
+
+    async def addresses(self) -> list[str]:
+        """Our listening multiaddrs without the /p2p suffix (what Heartbeat and Provider records carry):
+        the cached ones, asking the daemon only while none are known."""
+        self._require_loop("addresses")
+        if not self._visible:
+            return await self.refresh_addresses()
+        return self.plain_maddrs()
 
     async def publish(self, kind: str, body: dict, ttl_s: float | None = None) -> bool:
         """Sign ``body`` as a ``kind`` message and store it under its run key in our own subkey."""
@@ -233,6 +322,7 @@ class Node:
         """Store a message this node signed (e.g. a manifest kept as bytes) under the key it belongs to."""
         from hivemind.utils import get_dht_time
 
+        self._require_loop("publish_message")
         kind, body, author = decode(message)
         if author != self.identity.public_key:
             raise ValueError("a node publishes only messages it signed itself")
@@ -240,15 +330,9 @@ class Node:
         ok = await self.dht.store(record_key(kind, body), message, get_dht_time() + ttl, subkey=author)
         return bool(ok)
 
-    async def addresses(self) -> list[str]:
-        """Our listening multiaddrs without the /p2p suffix (what Heartbeat and Provider records carry)."""
-        if not self._addresses:
-            addrs = await self.p2p.get_visible_maddrs(latest=True)
-            self._addresses = [str(a).split("/p2p/")[0] for a in addrs]
-        return list(self._addresses)
-
     async def lookup(self, key: str) -> list[Record]:
         """All current records under ``key``, each re-verified; refused ones are dropped and logged."""
+        self._require_loop("lookup")
         found = await self.dht.get(key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return []
@@ -265,20 +349,6 @@ class Node:
                 log.warning("ignored a DHT record under %s: %s", key, e)
         return out
 
-    def check_daemon(self) -> None:
-        """Raise :class:`DaemonDied` once the go-libp2p daemon has exited."""
-        if not self.daemon_alive():
-            raise DaemonDied("the libp2p daemon died; exiting so that a supervisor restarts this peer")
-
-    def daemon_alive(self) -> bool:
-        """False once the go-libp2p daemon process has exited (the node is then useless: restart the peer)."""
-        child = getattr(self.p2p, "_child", None)
-        return child is None or child.returncode is None
-
-    def known_dht_peers(self) -> int:
-        """How many DHT peers our routing table holds (0 after a long outage: time to :meth:`rejoin`)."""
-        return len(self.dht.protocol.routing_table.uid_to_peer_id)
-
     async def rejoin(self, maddrs: Sequence[str] = ()) -> int:
         """Ping the bootstrap (and ``maddrs``) peers again and look up our neighbours; returns who answered.
 
@@ -286,16 +356,19 @@ class Node:
         keep storing its records only locally.
         """
         from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
 
+        self._require_loop("rejoin")
         answered = 0
         for m in dict.fromkeys([*self.config.bootstrap, *maddrs]):
             if "/p2p/" not in m or m.endswith(self.peer_id):
                 continue
-            pid = PeerID.from_base58(m.split("/p2p/")[-1])
+            peer_id = m.split("/p2p/")[-1]
             try:
-                await asyncio.wait_for(self.p2p._client.connect(pid, [Multiaddr(m.split("/p2p/")[0])]), 5)
-                answered += await asyncio.wait_for(self.dht.protocol.call_ping(pid), 5) is not None
+                await asyncio.wait_for(self.connect(peer_id, [m.split("/p2p/")[0]]), 5)
+                answered += (
+                    await asyncio.wait_for(self.dht.protocol.call_ping(PeerID.from_base58(peer_id)), 5)
+                    is not None
+                )
             except Exception as e:
                 log.debug("rejoin through %s failed: %s", m, e)
         if answered:
@@ -304,8 +377,20 @@ class Node:
 
     # ---- streams ----
 
+    async def connect(self, peer_id: str, maddrs: Sequence[str]) -> None:
+        """Have the daemon dial ``peer_id`` at ``maddrs`` (multiaddrs without /p2p); raises if it cannot."""
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        self._require_loop("connect")
+        # the one use of hivemind's daemon client: its P2P has no public connect (hivemind does the same)
+        await self.p2p._client.connect(PeerID.from_base58(peer_id), [Multiaddr(m) for m in maddrs])
+
     async def add_handler(self, name: str, handler: StreamHandler) -> None:
-        """Serve protocol ``name``; ``handler(remote_peer_id, reader, writer)``, closing the stream after."""
+        """Serve protocol ``name``; ``handler(remote_peer_id, reader, writer)``, closing the stream after.
+
+        Handlers run on the node's loop: blocking work (sqlite, files) goes through ``asyncio.to_thread``."""
+        self._require_loop("add_handler")
 
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             remote = info.peer_id.to_base58()
@@ -327,25 +412,25 @@ class Node:
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """Open a stream to ``peer_id`` for protocol ``name``, dialling ``maddrs`` first when given."""
         from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
 
-        pid = PeerID.from_base58(peer_id)
+        self._require_loop("open_stream")
         if maddrs:
             try:
-                await self.p2p._client.connect(
-                    pid, [Multiaddr(m) for m in maddrs]
-                )  # no public connect in P2P
+                await self.connect(peer_id, maddrs)
             except Exception as e:
                 log.debug("dialling %s at %s failed: %s", peer_id[-8:], list(maddrs), e)
-        _, reader, writer = await self.p2p.call_binary_stream_handler(pid, name)
+        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
         return reader, writer
 
     # ---- lifecycle ----
 
     def close(self) -> None:
-        """Stop background tasks, leave the DHT, stop the daemon and the loop thread. Idempotent."""
+        """Stop background tasks, leave the DHT, stop the daemon and the loop thread. Idempotent.
+
+        Not from the loop's own thread (RuntimeError): it waits for the loop to shut the network down."""
         if self._closed:
             return
+        self._refuse_loop_thread("close")
         self._closed = True
         if self._thread.is_alive():
             fut = asyncio.run_coroutine_threadsafe(self._aclose(), self._loop)

@@ -206,17 +206,17 @@ class TrajectorySender:
 
     def notify(self) -> None:
         """Wake the sender (thread-safe); call after outbox.put."""
-        self.node._loop.call_soon_threadsafe(self._wake.set)
+        self.node.call_soon(self._wake.set)
 
     async def run(self) -> None:
         try:
             while True:
+                self._wake.clear()  # before looking: a put (and notify) from now on is not missed
                 wait = await asyncio.to_thread(self.outbox.next_due_in)
                 if wait is not None and wait > 0 and await self._learners_changed():
                     continue
                 if wait is None or wait > 0:
                     self.state = "idle" if wait is None else "waiting for retry"
-                    self._wake.clear()
                     timeout = 5.0 if wait is None else min(wait, LEARNER_REFRESH_S)
                     with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), timeout=timeout)
