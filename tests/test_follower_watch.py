@@ -18,7 +18,7 @@ import torch
 
 from heterorl.peer.daemon import follower as follower_mod
 from heterorl.peer.daemon.follower import CheckpointFollower
-from heterorl.protocol.net.chunks import FetchReport
+from heterorl.protocol.net.fetch import FetchReport
 from heterorl.protocol.wire.checkpoint import serialize_state_dict
 
 SETTINGS = types.SimpleNamespace(run_id="watch-run", learner_keys=[b"k" * 32])

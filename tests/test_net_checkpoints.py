@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from heterorl.protocol import Identity, ProtocolError, encode
-from heterorl.protocol.net.chunks import fetch_checkpoint, latest_manifest
+from heterorl.protocol.net.chunks import latest_manifest
+from heterorl.protocol.net.fetch import fetch_checkpoint
 from heterorl.protocol.storage.store import ChunkStore
 from heterorl.protocol.wire.checkpoint import manifest_body
 

@@ -18,6 +18,7 @@ import pytest
 from heterorl.peer.daemon.heartbeat import Heartbeat, Status
 from heterorl.protocol import Identity, encode
 from heterorl.protocol.net import chunks
+from heterorl.protocol.net import fetch as fetching
 from heterorl.protocol.net.framing import read_frame, write_frame
 from heterorl.protocol.net.join import find_spec
 from heterorl.protocol.net.node import NetConfig, Node
@@ -249,7 +250,7 @@ def test_a_download_waits_for_its_last_workers_without_spinning(monkeypatch):
     """Once every chunk is handed out, the download waits for its workers (waking each refresh_s), instead of
     looping on an expired lookup time until the last one finishes."""
     body, _ = manifest_body("r", 1, 0, b"x" * (16 << 10), "float32", chunk_bytes=4 << 10)
-    fetch = chunks.CheckpointFetch(
+    fetch = fetching.CheckpointFetch(
         None,  # type: ignore[arg-type]  # no lookups (providers given), no stores (workers faked)
         None,  # type: ignore[arg-type]
         body,
@@ -263,7 +264,7 @@ def test_a_download_waits_for_its_last_workers_without_spinning(monkeypatch):
         refresh_s=0.1,
     )
 
-    class SlowWorker(chunks.Download):
+    class SlowWorker(fetching.Download):
         async def _worker(self, p: chunks.Provider) -> None:
             self.todo.clear()  # takes every chunk, then takes its time
             await asyncio.sleep(1.0)

@@ -150,7 +150,8 @@ def cmd_seed(args) -> None:
 
 
 def cmd_fetch(args) -> None:
-    from heterorl.protocol.net.chunks import ChunkServer, fetch_checkpoint, latest_manifest
+    from heterorl.protocol.net.chunks import ChunkServer, latest_manifest
+    from heterorl.protocol.net.fetch import fetch_checkpoint
     from heterorl.protocol.storage.store import ChunkStore
 
     store = ChunkStore(args.store, max_bytes=1 << 40)

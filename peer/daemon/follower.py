@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from heterorl.protocol.net.chunks import FetchReport, fetch_checkpoint, latest_manifest
+from heterorl.protocol.net.chunks import latest_manifest
+from heterorl.protocol.net.fetch import FetchReport, fetch_checkpoint
 from heterorl.protocol.net.node import Node
 from heterorl.protocol.settings import RunSettings
 from heterorl.protocol.storage.store import ChunkStore
