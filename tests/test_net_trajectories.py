@@ -10,7 +10,7 @@ import pytest
 from heterorl.protocol import Identity, encode, load_identity
 from heterorl.protocol.net.node import NetConfig, Node
 from heterorl.protocol.net.trajectories import (
-    Learner,
+    LearnerAddress,
     TrajectoryReceiver,
     TrajectorySender,
     find_learners,
@@ -223,7 +223,9 @@ def test_admit_hook_refusal_counts_against_the_author(pair):
 
 
 def test_unreachable_learner_keeps_the_batch_and_backs_off(pair, bootstrap_node):
-    ghost = Learner(pair.lid.public_key, bootstrap_node.peer_id, ())  # a live peer without the protocol
+    ghost = LearnerAddress(
+        pair.lid.public_key, bootstrap_node.peer_id, ()
+    )  # a live peer without the protocol
     pair.sender._fixed = [ghost]
     bid, raw = _batch(pair.sid, pair.run)
     pair.outbox.put(bid, raw, 3)

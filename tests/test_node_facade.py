@@ -22,7 +22,12 @@ from heterorl.protocol.net import fetch as fetching
 from heterorl.protocol.net.framing import read_frame, write_frame
 from heterorl.protocol.net.join import find_spec
 from heterorl.protocol.net.node import NetConfig, Node
-from heterorl.protocol.net.trajectories import Learner, TrajectoryReceiver, TrajectorySender, new_batch_id
+from heterorl.protocol.net.trajectories import (
+    LearnerAddress,
+    TrajectoryReceiver,
+    TrajectorySender,
+    new_batch_id,
+)
 from heterorl.protocol.storage.ledger import AcceptedLog
 from heterorl.protocol.storage.outbox import Outbox
 from heterorl.protocol.storage.store import ChunkStore
@@ -215,7 +220,7 @@ def test_trajectory_delivery_keeps_the_ledger_and_outbox_off_the_loop(bootstrap_
     try:
         receiver = TrajectoryReceiver(learner_id, run, ledger, vocab_size=16)
         second.call(receiver.attach(second), 30)
-        learner = Learner(learner_id.public_key, second.peer_id, tuple(second.plain_maddrs()))
+        learner = LearnerAddress(learner_id.public_key, second.peer_id, tuple(second.plain_maddrs()))
         sender = TrajectorySender(bootstrap_node, outbox, run, [learner_id.public_key], learners=[learner])
         bid = new_batch_id()
         row = {"group": 0, "prompt_ids": [1], "completion_ids": [2, 3], "logprobs": [-0.5] * 2, "reward": 1.0}

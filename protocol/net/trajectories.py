@@ -44,7 +44,9 @@ Admit = Callable[[dict, bytes], str | None]
 
 
 @dataclasses.dataclass(frozen=True)
-class Learner:
+class LearnerAddress:
+    """Where a learner takes batches: its key (from the RunSpec's learner_keys), peer id and addresses."""
+
     key: bytes
     peer_id: str
     maddrs: tuple[str, ...]
@@ -152,11 +154,11 @@ class TrajectoryReceiver:
         }
 
 
-async def find_learners(node: Node, run_id: str, learner_keys: Iterable[bytes]) -> list[Learner]:
+async def find_learners(node: Node, run_id: str, learner_keys: Iterable[bytes]) -> list[LearnerAddress]:
     """Learners announce themselves with Heartbeat records (role "learner"); keep those the run allows."""
     allowed = set(learner_keys)
     return [
-        Learner(r.author, r.body["peer_id"], tuple(r.body["maddrs"]))
+        LearnerAddress(r.author, r.body["peer_id"], tuple(r.body["maddrs"]))
         for r in await node.lookup(peers_key(run_id))
         if r.kind == "Heartbeat" and r.body["role"] == "learner" and r.author in allowed
     ]
@@ -176,7 +178,7 @@ class TrajectorySender:
         run_id: str,
         learner_keys: Iterable[bytes],
         *,
-        learners: list[Learner] | None = None,
+        learners: list[LearnerAddress] | None = None,
         request_timeout: float = 30.0,
     ):
         self.node, self.outbox, self.run_id = node, outbox, run_id
@@ -185,7 +187,7 @@ class TrajectorySender:
         self.request_timeout = request_timeout
         self._wake = asyncio.Event()
         self._streams: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
-        self._learners: list[Learner] = []
+        self._learners: list[LearnerAddress] = []
         self._learners_at = 0.0
         self._next = 0
         self.sent = 0
@@ -242,7 +244,9 @@ class TrajectorySender:
             acked += await self._send_one(learner, item.batch_id, item.data, item.created_at)
         return acked
 
-    async def _send_one(self, learner: Learner, batch_id: bytes, data: bytes, created_at: float) -> int:
+    async def _send_one(
+        self, learner: LearnerAddress, batch_id: bytes, data: bytes, created_at: float
+    ) -> int:
         start = time.monotonic()
         try:
             reader, writer = await self._stream(learner)
@@ -298,7 +302,7 @@ class TrajectorySender:
             return n > 0
         return False
 
-    async def _current_learners(self) -> list[Learner]:
+    async def _current_learners(self) -> list[LearnerAddress]:
         if self._fixed is not None:
             return self._fixed
         if time.monotonic() - self._learners_at > LEARNER_REFRESH_S or not self._learners:
@@ -309,14 +313,14 @@ class TrajectorySender:
             self._learners_at = time.monotonic()
         return self._learners
 
-    async def _stream(self, learner: Learner) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _stream(self, learner: LearnerAddress) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if learner.peer_id not in self._streams:
             self._streams[learner.peer_id] = await asyncio.wait_for(
                 self.node.open_stream(learner.peer_id, PROTOCOL, learner.maddrs), self.request_timeout
             )
         return self._streams[learner.peer_id]
 
-    def _drop_stream(self, learner: Learner) -> None:
+    def _drop_stream(self, learner: LearnerAddress) -> None:
         pair = self._streams.pop(learner.peer_id, None)
         if pair is not None:
             pair[1].close()
