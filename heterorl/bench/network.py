@@ -320,7 +320,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     from heterorl.protocol import Identity
-    from heterorl.protocol.net.node import NetConfig, Node
+    from heterorl.protocol.net.config import NetConfig
+    from heterorl.protocol.net.node import Node
 
     if args.quick:
         args.sizes_mb, args.peers, args.batches, args.delta_peers = [8], [1, 2], 50, 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from heterorl.protocol.net.addresses import DEFAULT_HOST_MADDRS
+from heterorl.protocol.net.config import DEFAULT_HOST_MADDRS
 
 
 def add_net_arguments(ap: argparse.ArgumentParser) -> None:
@@ -55,7 +55,7 @@ def add_net_arguments(ap: argparse.ArgumentParser) -> None:
 
 def net_config_from_args(args: argparse.Namespace):
     """The NetConfig the flags describe; ValueError (with the bad address) for malformed multiaddrs."""
-    from heterorl.protocol.net.node import NetConfig
+    from heterorl.protocol.net.config import NetConfig
 
     return NetConfig(
         bootstrap=tuple(args.bootstrap),

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from heterorl.protocol import Identity, ProtocolError
-from heterorl.protocol.net.node import NetConfig, Node, Record
+from heterorl.protocol.net.config import NetConfig
+from heterorl.protocol.net.node import Node, Record
 from heterorl.protocol.net.spec import SpecServer, check_run_key, lookup_specs, request_spec
 
 log = logging.getLogger(__name__)
