@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from heterorl.protocol.settings import RunConfig, load_run_config
+from heterorl.protocol.storage.files import atomic_write
 
 log = logging.getLogger("heterorl.coordinator")
 
@@ -76,9 +76,7 @@ def _sign_spec(args: argparse.Namespace, state_dir: Path, identity, initial_stat
     initial, vocab_size, base = initial_state(cfg, state_dir / "models")
     body = cfg.runspec_body(initial, vocab_size, base_hash=base)
     raw = encode("RunSpec", body, identity)
-    tmp = stored.with_suffix(".tmp")
-    tmp.write_bytes(raw)
-    os.replace(tmp, stored)
+    atomic_write(stored, raw)
     log.info("new run %s: model %s, task %s, objective %s", cfg.run_id, cfg.model, cfg.task, cfg.objective)
     if cfg.adapter is not None:
         log.info("adapter run: LoRA %s on base sha256 %s", cfg.adapter, base.hex())
@@ -128,7 +126,7 @@ def run(args: argparse.Namespace, initial_state: InitialState) -> int:
         node.call(SpecServer(raw).attach(node))
         maddrs = node.maddrs
         view.coordinator = {"peer_id": node.peer_id, "maddrs": maddrs, "started_at": time.time()}
-        (state_dir / "maddrs.txt").write_text("\n".join(maddrs) + "\n")
+        atomic_write(state_dir / "maddrs.txt", "\n".join(maddrs) + "\n")
         dash = DashboardServer(
             lambda: _locked(lock, view.snapshot),
             lambda: prometheus_text(_locked(lock, view.snapshot)),

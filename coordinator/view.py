@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import time
 from pathlib import Path
 
 from heterorl.protocol.net.dht import checkpoints_key, peers_key
 from heterorl.protocol.net.node import Node, Record
+from heterorl.protocol.storage.files import atomic_write_json
 from heterorl.protocol.wire.messages import unpack_stats
 from heterorl.protocol.wire.staleness import STALENESS_BUCKETS
 
@@ -75,9 +75,7 @@ class SwarmView:
             "checkpoint_versions": self.checkpoint_versions,
             "learner": self.learner,
         }
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(d))
-        os.replace(tmp, self.path)
+        atomic_write_json(self.path, d)
 
     # ---- polling ----
 

@@ -51,8 +51,10 @@ def test_an_adapter_run_trains_in_the_local_swarm(tmp_path, tiny_model_dir):
         rows = [json.loads(x) for x in (out / name / "versions.jsonl").read_text().splitlines()]
         versions = [r["version"] for r in rows]
         assert versions == sorted(set(versions)) and versions[-1] >= steps // 2, versions
-        sizes = {r["fetched_bytes"] + r["reused_bytes"] for r in rows}
-        assert len(sizes) == 1 and sizes.pop() < 0.2 * full_bytes  # adapters only, every version
+        # adapters only, every version fetched whole; a version rebuilt from a delta (v1 against v0 is small:
+        # LoRA B starts at zero, so A does not move in the first update) counts the delta's bytes instead
+        sizes = {r["fetched_bytes"] + r["reused_bytes"] for r in rows if r.get("via", "full") == "full"}
+        assert len(sizes) == 1 and sizes.pop() < 0.2 * full_bytes, rows
 
     # the base stayed frozen; only the adapters moved
     base = model.state_dict()

@@ -1,5 +1,6 @@
 """The local loop end to end on the tiny model: outputs, staleness bookkeeping, learning, CLI."""
 
+import inspect
 import json
 import subprocess
 import sys
@@ -9,7 +10,9 @@ import pytest
 import tomllib
 import torch
 
+from heterorl.peer.learner.update import update, update_options
 from heterorl.peer.train import LocalConfig, PolicyLag, run_local
+from heterorl.protocol.settings import RunConfig, RunSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,6 +59,20 @@ def test_bad_config_is_rejected():
         LocalConfig(model="x", objective="nope")
     with pytest.raises(ValueError, match="delay"):
         LocalConfig(model="x", delay=-1)
+    with pytest.raises(ValueError, match="grad_clip"):  # checked as run.toml's [learner] is
+        LocalConfig(model="x", grad_clip=0)
+
+
+def test_the_loop_defaults_to_a_runs_settings_and_updates_as_the_learner_does():
+    run = RunConfig(run_id="r", learner_keys=("ab" * 32,))
+    settings = RunSettings.from_spec(run.runspec_body(b"\x01" * 32, 40))
+    cfg = LocalConfig(model="x")
+    assert update_options(cfg) == update_options(settings)
+    assert (cfg.lr, cfg.top_p, cfg.chat, cfg.task_params) == (run.lr, run.top_p, run.chat, run.task_params)
+    assert (cfg.prompts_per_step, cfg.group_size) == (run.learner.prompts_per_update, run.learner.group_size)
+    # update_options names every keyword of update() that comes from settings, and nothing else
+    keywords = {n for n, p in inspect.signature(update).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert set(update_options(cfg)) == keywords - {"version", "pad_id", "diagnose_mismatch"}
 
 
 def test_cli_help_and_errors(tmp_path):

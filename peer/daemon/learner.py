@@ -12,21 +12,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import json
 import logging
-import threading
 import time
-from pathlib import Path
 
 import torch
 
-from heterorl.protocol import Identity, ProtocolError, decode, encode
-from heterorl.protocol.net.chunks import ChunkServer, announce_checkpoint
-from heterorl.protocol.net.join import Joined
+from heterorl.protocol import ProtocolError, decode, encode
+from heterorl.protocol.net.chunks import announce_checkpoint
 from heterorl.protocol.net.trajectories import TrajectoryReceiver
-from heterorl.protocol.settings import RunSettings
 from heterorl.protocol.storage.ledger import AcceptedLog
-from heterorl.protocol.storage.store import ChunkStore
 from heterorl.protocol.wire.checkpoint import add_delta, manifest_body, referenced_hashes
 from heterorl.protocol.wire.delta import CODEC as DELTA_CODEC
 from heterorl.protocol.wire.delta import encode_delta
@@ -35,13 +29,13 @@ from heterorl.protocol.wire.staleness import STALENESS_BUCKETS, staleness_bucket
 from ..learner.buffer import Buffered, TrajectoryBuffer, staleness_refusal
 from ..learner.intake import RewardCheck
 from ..learner.state import load_state, save_state
-from ..learner.update import rows_from_bodies, update
+from ..learner.update import rows_from_bodies, update, update_options
 from ..model import adapter, load_model
 from ..model.prompts import PromptFormat
 from ..tasks import get_task
 from .announcer import Announcer
-from .hardware import Hardware
-from .heartbeat import Heartbeat, Status
+from .heartbeat import Status
+from .runtime import PeerRuntime
 from .weights import resolve_model, weights_bytes, weights_hash
 
 log = logging.getLogger(__name__)
@@ -54,31 +48,24 @@ ANNOUNCE_TIMEOUT_S = 60.0
 class LearnerOptions:
     max_steps: int | None = None  # stop (cleanly) after this many updates; None: run until stopped
     wait_log_s: float = 10.0
-    store_bytes: int = 8 << 30
-    upload_bytes_per_s: float | None = None  # cap on the checkpoint bytes this peer serves; None: no cap
 
 
 class Learner:
-    def __init__(
-        self,
-        joined: Joined,
-        identity: Identity,
-        state_dir: Path,
-        hardware: Hardware,
-        options=LearnerOptions(),
-    ):
-        self.joined, self.node, self.identity = joined, joined.node, identity
-        self.settings = s = RunSettings.from_spec(joined.spec)
-        if identity.public_key not in s.learner_keys:
+    """The learner role on a :class:`~.runtime.PeerRuntime` (which serves its chunk store and beats)."""
+
+    STORE_BYTES = 8 << 30  # the chunk store's cap
+
+    def __init__(self, runtime: PeerRuntime, options: LearnerOptions = LearnerOptions()):
+        self.rt, self.opt, self.node, self.identity = runtime, options, runtime.node, runtime.identity
+        self.settings = s = runtime.settings
+        if self.identity.public_key not in s.learner_keys:
             raise PermissionError(
-                f"this peer's key {identity.public_key.hex()} is not among the run's learner keys; "
+                f"this peer's key {self.identity.public_key.hex()} is not among the run's learner keys; "
                 "list it in run.toml's learner_keys"
             )
-        self.state_dir, self.hw, self.opt = state_dir, hardware, options
-        self.status = Status()
-        self.model, self.tok = load_model(
-            resolve_model(s.model, state_dir / "models"), device=hardware.device
-        )
+        state_dir = self.state_dir = runtime.state_dir
+        self.hw, self.status, self.store = runtime.hw, runtime.status, runtime.store
+        self.model, self.tok = load_model(resolve_model(s.model, state_dir / "models"), device=self.hw.device)
         if s.adapter is not None:  # LoRA on the frozen base the run names
             self.model = adapter.for_training(self.model, s.adapter, s.learner.checkpoint_dtype)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -100,10 +87,8 @@ class Learner:
         self.reward_check = RewardCheck(
             get_task(s.task, **s.task_params), self.tok, prompts=PromptFormat(self.tok, s.chat)
         )
-        self.store = ChunkStore(state_dir / "chunks", max_bytes=options.store_bytes)
-        self.server = ChunkServer(self.store, options.upload_bytes_per_s)
         self.receiver = TrajectoryReceiver(
-            identity,
+            self.identity,
             s.run_id,
             self.ledger,
             vocab_size=s.vocab_size,
@@ -220,16 +205,8 @@ class Learner:
             self.optimizer,
             rows,
             version=self.step,
-            objective=s.objective,
-            advantage=s.advantage,
-            objective_params=s.objective_params,
-            temperature=s.temperature,
-            max_new_tokens=s.max_new_tokens,
             pad_id=self.tok.pad_token_id,
-            grad_clip=s.learner.grad_clip,
-            micro_batch_tokens=s.learner.micro_batch_tokens,
-            gradient_checkpointing=s.learner.gradient_checkpointing,
-            tis_cap=s.learner.tis_cap,
+            **update_options(s),
         )
         self.step += 1
         self.ledger.mark_applied([b.batch_id for b in batches], self.step)
@@ -258,14 +235,13 @@ class Learner:
             **{f"publish_{k}_s": v for k, v in self.publish_s.items()},
             **stats,
         }
-        with (self.state_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        self.rt.append_jsonl("metrics.jsonl", row)
         if self.step % s.learner.publish_every == 0 or self.step == self.opt.max_steps:
             self.status.state = f"publishing version {self.step}"
             self.publish()
         return True
 
-    def _status(self) -> Status:
+    def refresh_status(self) -> Status:
         st = self.status
         st.policy_version = self.published_version
         recv = self.receiver
@@ -313,63 +289,57 @@ class Learner:
             "strikes": dict(recv.strikes),
             "rows_disagreeing": self.reward_check.rows_disagreeing,
         }
-        (self.state_dir / "final_stats.json").write_text(json.dumps(final, indent=1))
+        self.rt.write_final_stats(final)
 
-    def run(self, stop: threading.Event) -> None:
-        self.node.call(self.server.attach(self.node))
+    # ---- the role ----
+
+    def start(self) -> None:
         self.status.state = f"publishing version {self.step}"
         self.publish()  # version 0 (or the step resumed at) before anyone can sample
         self.node.call(self.receiver.attach(self.node))
-        hb = Heartbeat(
-            self.node, self.settings.run_id, "learner", self.hw.describe(), self._status, self.state_dir
-        )
-        hb_task = self.node.spawn(hb.run())
         log.info(
             "learning: run %s, objective %s, step %d",
             self.settings.run_id,
             self.settings.objective,
             self.step,
         )
+
+    def loop(self) -> None:
         waited = 0.0
-        try:
-            while not stop.is_set():
-                self.node.check_daemon()
-                if self.opt.max_steps is not None and self.step >= self.opt.max_steps:
-                    log.info("reached %d updates; stopping", self.step)
-                    break
-                self.status.state = "waiting for trajectories"
-                if self.train_once(timeout=0.5):
+        while self.rt.running():
+            if self.opt.max_steps is not None and self.step >= self.opt.max_steps:
+                log.info("reached %d updates; stopping", self.step)
+                return
+            self.status.state = "waiting for trajectories"
+            if self.train_once(timeout=0.5):
+                waited = 0.0
+                if self.step % 10 == 0:
+                    log.info(
+                        "step %d: reward %.3f, staleness %.1f, ESS %.2f, buffer %d",
+                        self.step,
+                        self.last.get("reward/mean", 0),
+                        self.last.get("staleness/mean", 0),
+                        self.last.get("is/ess", 0),
+                        len(self.buffer),
+                    )
+            else:
+                self.announcer.retry_failed(self.step)
+                waited += 0.5
+                if waited >= self.opt.wait_log_s:
+                    log.info("waiting for trajectories (buffer %d batches)", len(self.buffer))
                     waited = 0.0
-                    if self.step % 10 == 0:
-                        log.info(
-                            "step %d: reward %.3f, staleness %.1f, ESS %.2f, buffer %d",
-                            self.step,
-                            self.last.get("reward/mean", 0),
-                            self.last.get("staleness/mean", 0),
-                            self.last.get("is/ess", 0),
-                            len(self.buffer),
-                        )
-                else:
-                    self.announcer.retry_failed(self.step)
-                    waited += 0.5
-                    if waited >= self.opt.wait_log_s:
-                        log.info("waiting for trajectories (buffer %d batches)", len(self.buffer))
-                        waited = 0.0
-        finally:
-            if self.published_version != self.step:
-                try:
-                    self.publish()
-                except Exception as e:
-                    log.warning("final checkpoint not published (my state is saved): %s", e)
-            self._write_final_stats()
-            if self.node.daemon_alive():  # else nothing can be announced: leave at once (state is saved)
-                if not self.announcer.wait_idle(ANNOUNCE_TIMEOUT_S):
-                    log.warning("leaving before the last checkpoint announce finished")
-                self.status.state = "leaving"
-                try:
-                    self.node.call(hb.publish_once(), timeout=10)
-                except Exception as e:
-                    log.debug("last heartbeat: %s", e)
-            hb_task.cancel()
-            self.node.close()  # no stream handler may touch the ledger after this
-            self.ledger.close()
+
+    def leave(self) -> None:
+        if self.published_version != self.step:
+            try:
+                self.publish()
+            except Exception as e:
+                log.warning("final checkpoint not published (my state is saved): %s", e)
+        self._write_final_stats()
+        # a dead daemon announces nothing: leave at once (the state is saved)
+        if self.node.daemon_alive() and not self.announcer.wait_idle(ANNOUNCE_TIMEOUT_S):
+            log.warning("leaving before the last checkpoint announce finished")
+
+    def close(self) -> None:
+        """After the node closed: no stream handler touches the ledger any more."""
+        self.ledger.close()

@@ -107,6 +107,7 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
     from heterorl.protocol.net.join import join
 
     from .hardware import detect
+    from .runtime import PeerRuntime
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is every thread?
     if args.threads:
@@ -126,26 +127,30 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
         if args.role == "sampler":
             from .sampler import Sampler, SamplerOptions
 
+            role_class = peer_class or Sampler
             options = SamplerOptions(
                 args.slowdown,
                 max_batches=args.max_batches,
                 backend=args.backend,
                 engine_dtype=args.engine_dtype,
                 threads=args.threads or None,
-                upload_bytes_per_s=upload,
             )
-            peer = (peer_class or Sampler)(joined, identity, state_dir, hw, options)
         else:
             from .learner import Learner, LearnerOptions
 
-            peer = (peer_class or Learner)(
-                joined,
-                identity,
-                state_dir,
-                hw,
-                LearnerOptions(max_steps=args.max_steps, upload_bytes_per_s=upload),
-            )
-        peer.run(stop)
+            role_class = peer_class or Learner
+            options = LearnerOptions(max_steps=args.max_steps)
+        runtime = PeerRuntime(
+            joined,
+            identity,
+            state_dir,
+            hw,
+            args.role,
+            stop=stop,
+            store_bytes=role_class.STORE_BYTES,
+            upload_bytes_per_s=upload,
+        )
+        runtime.run(role_class(runtime, options))  # leaves in order, closing the node (runtime.py)
     except (PermissionError, ValueError, DaemonDied) as e:
         log.error("%s", e)
         return 1
@@ -153,6 +158,6 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
         log.exception("the %s failed", args.role)
         return 1
     finally:
-        joined.node.close()
+        joined.node.close()  # idempotent: here for a role that failed before it ran
     log.info("left the run")
     return 0

@@ -14,23 +14,16 @@ its batches carry the policy version they were sampled with, and the learner use
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import random
-import threading
 import time
-from pathlib import Path
 
 import torch
 
-from heterorl.protocol import Identity, encode
-from heterorl.protocol.net.chunks import ChunkServer
-from heterorl.protocol.net.join import Joined
+from heterorl.protocol import encode
 from heterorl.protocol.net.trajectories import TrajectorySender, new_batch_id
-from heterorl.protocol.settings import RunSettings
 from heterorl.protocol.storage.outbox import Outbox
-from heterorl.protocol.storage.store import ChunkStore
 from heterorl.protocol.wire.checkpoint import deserialize_state_dict
 
 from ..model.loader import load_config, load_tokenizer
@@ -39,8 +32,9 @@ from ..rollout import SamplingParams, make_backend
 from ..rollout.resilient import ResilientBackend, is_oom
 from ..tasks import get_task
 from .follower import CheckpointFollower
-from .hardware import Hardware, rows_that_fit
-from .heartbeat import Heartbeat, Status
+from .hardware import rows_that_fit
+from .heartbeat import Status
+from .runtime import PeerRuntime
 from .weights import resolve_model
 
 log = logging.getLogger(__name__)
@@ -51,7 +45,6 @@ class SamplerOptions:
     slowdown: float = 1.0  # >1 sleeps (slowdown-1)× each batch's generation time: a slower peer, on purpose
     max_pending: int = 4  # batches waiting in the outbox before generation pauses
     max_batches: int | None = None  # stop after this many (tests); None: run until stopped
-    store_bytes: int = 2 << 30
     check_every_s: float = 0.5  # checkpoint lookups: this often after a change, doubling while none comes
     check_max_s: float = 5.0  # ... up to this
     drain_s: float = 5.0  # on shutdown, how long to keep sending what is queued
@@ -68,24 +61,20 @@ PAUSE_LOG_EVERY_S = 60.0  # a pause of the same kind is logged at INFO at most t
 
 
 class Sampler:
-    def __init__(
-        self,
-        joined: Joined,
-        identity: Identity,
-        state_dir: Path,
-        hardware: Hardware,
-        options: SamplerOptions = SamplerOptions(),
-    ):
-        self.joined, self.node, self.identity = joined, joined.node, identity
-        self.settings = RunSettings.from_spec(joined.spec)
-        self.state_dir, self.hw, self.opt = state_dir, hardware, options
-        self.status = Status()
+    """The sampler role on a :class:`~.runtime.PeerRuntime` (which serves its chunk store and beats)."""
+
+    STORE_BYTES = 2 << 30  # the chunk store's cap
+
+    def __init__(self, runtime: PeerRuntime, options: SamplerOptions = SamplerOptions()):
+        self.rt, self.opt, self.node, self.identity = runtime, options, runtime.node, runtime.identity
+        self.settings, self.state_dir, self.hw = runtime.settings, runtime.state_dir, runtime.hw
+        self.status, self.store = runtime.status, runtime.store
         self.version: int | None = None
         self.batches = 0
         self.tokens = 0
         self.loaded: list[int] = []
         s = self.settings
-        self.model_dir = resolve_model(s.model, state_dir / "models")
+        self.model_dir = resolve_model(s.model, self.state_dir / "models")
         self.tok = load_tokenizer(self.model_dir)
         config = load_config(self.model_dir)
         if config.vocab_size != s.vocab_size:
@@ -94,19 +83,19 @@ class Sampler:
         self.task = get_task(s.task, **s.task_params)
         self.sampling = SamplingParams(s.temperature, s.top_p, s.max_new_tokens)
         rows = s.sampler.prompts_per_batch * s.learner.group_size
-        self.gen_rows = min(rows, rows_that_fit(hardware, config, 64 + s.max_new_tokens))
+        self.gen_rows = min(rows, rows_that_fit(self.hw, config, 64 + s.max_new_tokens))
         self.engine_dtype = (
             options.engine_dtype
             if options.engine_dtype != "auto"
             else "bfloat16"
-            if hardware.device == "cuda"
+            if self.hw.device == "cuda"
             else "float32"
         )
         max_len = getattr(config, "max_position_embeddings", None) or MAX_PROMPT_TOKENS + s.max_new_tokens
         self._engine = {
-            "device": hardware.device,
+            "device": self.hw.device,
             "dtype": self.engine_dtype,
-            "memory_bytes": hardware.memory_bytes,
+            "memory_bytes": self.hw.memory_bytes,
             "threads": options.threads,
             "max_rows": rows,
             "max_model_len": min(max_len, MAX_PROMPT_TOKENS + s.max_new_tokens),
@@ -120,10 +109,8 @@ class Sampler:
         )
         self.status.backend = self.backend.describe()
         log.info("rollouts: %s; prompts: %s", self.status.backend, self.prompts.describe())
-        self.rng = random.Random(int.from_bytes(identity.public_key[:8], "big") ^ time.time_ns())
-        self.outbox = Outbox(state_dir / "outbox.sqlite")
-        self.store = ChunkStore(state_dir / "chunks", max_bytes=options.store_bytes)
-        self.server = ChunkServer(self.store, options.upload_bytes_per_s)
+        self.rng = random.Random(int.from_bytes(self.identity.public_key[:8], "big") ^ time.time_ns())
+        self.outbox = Outbox(self.state_dir / "outbox.sqlite")
         self.sender = TrajectorySender(self.node, self.outbox, s.run_id, s.learner_keys)
         self.follower = CheckpointFollower(
             self.node,
@@ -189,8 +176,7 @@ class Sampler:
             "batches_during_fetch": ready.batches_during_fetch,
             "after_batch": self.batches,  # swapped in after this many batches, never during one
         }
-        with (self.state_dir / "versions.jsonl").open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        self.rt.append_jsonl("versions.jsonl", row)
         level = logging.INFO if previous is None or v % 10 == 0 else logging.DEBUG  # logs stay bounded
         log.log(
             level,
@@ -303,7 +289,7 @@ class Sampler:
         retry = f"retry in {math.ceil(busy_for)} s" if busy_for > 0 else "retrying"
         return "busy", f"paused: learner busy ({retry})"
 
-    def _pause(self, kind: str, state: str, stop: threading.Event) -> None:
+    def _pause(self, kind: str, state: str) -> None:
         now = time.monotonic()
         if self._paused != kind:
             self._resume()
@@ -314,7 +300,7 @@ class Sampler:
                 self._pause_logged[kind], self._pause_level = now, logging.INFO
             log.log(self._pause_level, "%s", state)
         self.status.state = state
-        stop.wait(PAUSE_POLL_S)
+        self.rt.stop.wait(PAUSE_POLL_S)
         self.paused_s[kind] += time.monotonic() - now
 
     def _resume(self) -> None:
@@ -324,9 +310,9 @@ class Sampler:
             log.log(self._pause_level, "resumed generating after %.1f s paused (%s)", took, why)
             self._paused = None
 
-    # ---- the loop ----
+    # ---- the role ----
 
-    def _status(self) -> Status:
+    def refresh_status(self) -> Status:
         st = self.status
         st.policy_version = -1 if self.version is None else self.version
         f = self.follower
@@ -343,49 +329,37 @@ class Sampler:
             "paused_behind_s": round(self.paused_s["behind"], 1),
             "paused_busy_s": round(self.paused_s["busy"], 1),
             **{k.split("/")[-1]: v for k, v in self.sender.stats().items()},
-            **{k.split("/")[-1]: v for k, v in self.server.stats().items()},
+            **{k.split("/")[-1]: v for k, v in self.rt.server.stats().items()},
         }
         return st
 
-    def run(self, stop: threading.Event) -> None:
-        self.node.call(self.server.attach(self.node))
-        sender_task = self.node.spawn(self.sender.run())
-        follower_task = self.node.spawn(self.follower.run())
-        hb = Heartbeat(
-            self.node, self.settings.run_id, "sampler", self.hw.describe(), self._status, self.state_dir
-        )
-        hb_task = self.node.spawn(hb.run())
-        try:
-            self._loop(stop)
-        finally:
-            follower_task.cancel()  # a download in progress stops here; its stored chunks serve a restart
-            self._write_final_stats()  # now, in case leaving is cut short; again below with the drain's acks
-            if self.node.daemon_alive():  # else nothing can be sent: leave at once
-                self._drain()
-                self.status.state = "leaving"
-                try:
-                    self.node.call(hb.publish_once(), timeout=10)
-                except Exception as e:
-                    log.debug("last heartbeat: %s", e)
-            hb_task.cancel()
-            sender_task.cancel()
-            queued = len(self.outbox)
-            self._write_final_stats()
-            self.node.close()  # nothing may touch the outbox after this
-            self.outbox.close()
-            self.backend.close()
-            log.info(
-                "left: %d batches made, %d left queued for next time; paused %.0f s behind, %.0f s busy",
-                self.batches,
-                queued,
-                self.paused_s["behind"],
-                self.paused_s["busy"],
-            )
+    def start(self) -> None:
+        self.rt.spawn(self.sender.run())
+        self._follower_task = self.rt.spawn(self.follower.run())
 
-    def _loop(self, stop: threading.Event) -> None:
-        ema = 0.0
-        while not stop.is_set():
-            self.node.check_daemon()
+    def leave(self) -> None:
+        self._follower_task.cancel()  # a download in progress stops here; its stored chunks serve a restart
+        self._write_final_stats()  # now, in case leaving is cut short; again in close() with the drain's acks
+        if self.node.daemon_alive():  # else nothing can be sent: leave at once
+            self._drain()
+
+    def close(self) -> None:
+        """After the node closed: nothing sends from the outbox any more."""
+        queued = len(self.outbox)
+        self._write_final_stats()
+        self.outbox.close()
+        self.backend.close()
+        log.info(
+            "left: %d batches made, %d left queued for next time; paused %.0f s behind, %.0f s busy",
+            self.batches,
+            queued,
+            self.paused_s["behind"],
+            self.paused_s["busy"],
+        )
+
+    def loop(self) -> None:
+        ema, stop = 0.0, self.rt.stop
+        while self.rt.running():
             if self.opt.max_batches is not None and self.batches >= self.opt.max_batches:
                 return
             self._maybe_switch()
@@ -402,7 +376,7 @@ class Sampler:
                 continue
             pause = self._pause_reason()
             if pause is not None:
-                self._pause(*pause, stop)
+                self._pause(*pause)
                 continue
             self._resume()
             if len(self.outbox) >= self.opt.max_pending:
@@ -431,8 +405,8 @@ class Sampler:
     def _write_final_stats(self) -> None:
         """What this session did, for `heterorl local`'s summary and for tests (the heartbeat's stats)."""
         try:
-            stats = {**self._status().stats, "tokens": self.tokens, "versions": self.loaded[-1000:]}
-            (self.state_dir / "final_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
+            stats = {**self.refresh_status().stats, "tokens": self.tokens, "versions": self.loaded[-1000:]}
+            self.rt.write_final_stats(stats)
         except Exception as e:  # leaving must not fail on it
             log.warning("final stats not written: %s", e)
 

@@ -1,9 +1,9 @@
 """The learner's own durable state: model weights, optimizer state and step, saved atomically.
 
-Each save writes ``state/step-NNNNNNNN/`` completely, then points ``state/CURRENT`` at it with an atomic
-rename, then removes older saves; a crash mid-save leaves the previous one current. This is local data the
-learner wrote itself (never from the network), so the optimizer state may use ``torch.save``; it is loaded
-with ``weights_only=True`` all the same.
+Each save writes ``state/step-NNNNNNNN/`` completely (every file fsynced), renames it into place, then points
+``state/CURRENT`` at it (:func:`heterorl.protocol.storage.files.atomic_write`), then removes older saves; a
+crash mid-save leaves the previous one current. This is local data the learner wrote itself (never from the
+network), so the optimizer state may use ``torch.save``; it is loaded with ``weights_only=True`` all the same.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from heterorl.protocol.storage.files import atomic_write, fsync_dir
 from heterorl.protocol.wire.checkpoint import deserialize_state_dict, serialize_state_dict
 
 
@@ -32,12 +33,11 @@ def save_state(
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
+    fsync_dir(tmp)
     final = root / name
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    pointer = root / ".CURRENT.tmp"
-    pointer.write_text(name)
-    os.replace(pointer, root / "CURRENT")
+    atomic_write(root / "CURRENT", name)  # also makes the rename above durable (same folder)
     for old in root.glob("step-*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)

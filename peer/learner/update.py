@@ -28,15 +28,49 @@ import contextlib
 import dataclasses
 import sys
 from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+
+from heterorl.protocol.settings import LearnerSettings
 
 from .. import objectives
 from ..model import completion_logprobs
 from ..model.logprobs import model_device
 
 TIS_PARAMS = ("tis_cap", "tis_logp", "tis_rows")  # set by the learner, never by objective_params
+
+
+class UpdateSettings(Protocol):
+    """What :func:`update_options` reads: a peer's :class:`~heterorl.protocol.settings.RunSettings`, or the
+    one-process loop's ``LocalConfig`` (same field names)."""
+
+    objective: str
+    advantage: str | None
+    objective_params: dict
+    temperature: float
+    max_new_tokens: int
+
+    @property
+    def learner(self) -> LearnerSettings: ...
+
+
+def update_options(s: UpdateSettings) -> dict[str, Any]:
+    """The keyword arguments of :func:`update` that come from the run's settings (all but the model, the
+    optimizer, the rows, the version and the pad id): the one place settings map onto an update."""
+    ls = s.learner
+    return {
+        "objective": s.objective,
+        "advantage": s.advantage,
+        "objective_params": s.objective_params,
+        "temperature": s.temperature,
+        "max_new_tokens": s.max_new_tokens,
+        "grad_clip": ls.grad_clip,
+        "micro_batch_tokens": ls.micro_batch_tokens,
+        "gradient_checkpointing": ls.gradient_checkpointing,
+        "tis_cap": ls.tis_cap,
+    }
 
 
 @dataclasses.dataclass

@@ -2,7 +2,7 @@
 
 from .loader import load_model
 from .logprobs import completion_logprobs
-from .text import completion_text, prompt_text
+from .text import completion_text
 from .tiny import TINY_MODEL_DIR, build_tiny_model, build_tokenizer, ensure_model
 
 __all__ = [
@@ -13,5 +13,4 @@ __all__ = [
     "completion_logprobs",
     "completion_text",
     "load_model",
-    "prompt_text",
 ]

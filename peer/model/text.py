@@ -11,8 +11,3 @@ def completion_text(tokenizer, ids: Sequence[int]) -> str:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id in ids:
         ids = ids[: ids.index(tokenizer.eos_token_id)]
     return tokenizer.decode([t for t in ids if t != tokenizer.pad_token_id])
-
-
-def prompt_text(tokenizer, ids: Sequence[int]) -> str:
-    """Text of a prompt as the sampler encoded it (BOS and other special tokens dropped)."""
-    return tokenizer.decode(list(ids), skip_special_tokens=True)

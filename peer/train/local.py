@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
-from heterorl.protocol.settings import AdapterSettings
+from heterorl.protocol.settings import AdapterSettings, LearnerSettings, RunConfig, default_of
+from heterorl.protocol.storage.files import atomic_write_json
 from heterorl.protocol.wire.checkpoint import serialize_state_dict
 
 from .. import objectives
-from ..learner.update import Rows, update
+from ..learner.update import Rows, update, update_options
 from ..model import adapter, load_model
 from ..model.prompts import CHAT_MODES, PromptFormat
 from ..rollout import SamplingParams, make_backend
@@ -27,39 +28,64 @@ from .policy_lag import PolicyLag
 log = logging.getLogger(__name__)
 
 
+def _run_default(name: str):
+    """run.toml's default of setting ``name`` (:class:`RunConfig`)."""
+    return default_of(RunConfig, name)
+
+
+def _learner_default(name: str):
+    """run.toml's default of ``[learner]`` setting ``name``."""
+    return default_of(LearnerSettings, name)
+
+
 @dataclass(frozen=True)
 class LocalConfig:
-    """Settings of one local run (CLI flags map one to one)."""
+    """Settings of one local run (CLI flags map one to one); the defaults are a run's (protocol.settings)."""
 
     model: str
-    task: str = "arithmetic"
-    task_params: dict = field(default_factory=lambda: {"digits": 1})
-    objective: str = objectives.DEFAULT_OBJECTIVE
-    advantage: str | None = None  # None = the objective's own estimator
+    task: str = _run_default("task")
+    task_params: dict = field(default_factory=lambda: _run_default("task_params"))
+    objective: str = _run_default("objective")
+    advantage: str | None = _run_default("advantage")  # None = the objective's own estimator
     steps: int = 200
-    prompts_per_step: int = 16
-    group_size: int = 8
+    prompts_per_step: int = _learner_default("prompts_per_update")
+    group_size: int = _learner_default("group_size")
     delay: int = 0
-    lr: float = 5e-4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 6
-    grad_clip: float = 1.0
+    lr: float = _run_default("lr")
+    temperature: float = _run_default("temperature")
+    top_p: float = _run_default("top_p")
+    max_new_tokens: int = _run_default("max_new_tokens")
+    grad_clip: float = _learner_default("grad_clip")
     seed: int = 0
     backend: str = "hf"
     engine_dtype: str = "float32"
-    chat: str = "auto"
-    tis_cap: float | None = None  # truncated IS against the engine/learner mismatch (Yao et al. 2025)
-    micro_batch_tokens: int | None = None
-    gradient_checkpointing: bool = False
-    objective_params: dict = field(default_factory=dict)
-    adapter: AdapterSettings | None = None  # LoRA on the frozen base (hf rollouts); None: full fine-tuning
+    chat: str = _run_default("chat")
+    # truncated IS against the engine/learner mismatch (Yao et al. 2025)
+    tis_cap: float | None = _learner_default("tis_cap")
+    micro_batch_tokens: int | None = _learner_default("micro_batch_tokens")
+    gradient_checkpointing: bool = _learner_default("gradient_checkpointing")
+    objective_params: dict = field(default_factory=lambda: _run_default("objective_params"))
+    # LoRA on the frozen base (hf rollouts); None: full fine-tuning
+    adapter: AdapterSettings | None = _run_default("adapter")
+
+    @property
+    def learner(self) -> LearnerSettings:
+        """The ``[learner]`` settings this loop's update uses (:func:`update_options`)."""
+        return LearnerSettings(
+            prompts_per_update=self.prompts_per_step,
+            group_size=self.group_size,
+            grad_clip=self.grad_clip,
+            micro_batch_tokens=self.micro_batch_tokens,
+            gradient_checkpointing=self.gradient_checkpointing,
+            tis_cap=self.tis_cap,
+        )
 
     def __post_init__(self) -> None:
         objectives.default_advantage(self.objective)  # validates the name
         for name in ("steps", "prompts_per_step", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self.learner  # noqa: B018  (validates grad_clip, tis_cap, micro_batch_tokens like run.toml's)
         if self.delay < 0:
             raise ValueError(f"delay must be >= 0, got {self.delay}")
         if self.backend not in ("hf", "vllm"):
@@ -148,20 +174,7 @@ def run_local(
                 versions=torch.full((rows_per_step,), version),
             )
             stats = update(
-                policy,
-                opt,
-                rows,
-                version=lag.version,
-                objective=cfg.objective,
-                advantage=cfg.advantage,
-                objective_params=cfg.objective_params,
-                temperature=cfg.temperature,
-                max_new_tokens=cfg.max_new_tokens,
-                pad_id=tok.pad_token_id,
-                grad_clip=cfg.grad_clip,
-                tis_cap=cfg.tis_cap,
-                micro_batch_tokens=cfg.micro_batch_tokens,
-                gradient_checkpointing=cfg.gradient_checkpointing,
+                policy, opt, rows, version=lag.version, pad_id=tok.pad_token_id, **update_options(cfg)
             )
             lag.step()
             if on_update is not None:
@@ -199,7 +212,7 @@ def run_local(
         "trainable_params": sum(p.numel() for p in trainable),
         "config": asdict(cfg),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    atomic_write_json(out / "summary.json", summary, indent=1)
     log.info(
         "done: reward first-20 %.3f -> last-20 %.3f in %.0f s; wrote %s",
         summary["reward_first20"],

@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import socket
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from heterorl.protocol import Identity, ProtocolError
 from heterorl.protocol.net.config import NetConfig
 from heterorl.protocol.net.node import Node, Record
 from heterorl.protocol.net.spec import SpecServer, check_run_key, lookup_specs, request_spec
+from heterorl.protocol.storage.files import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +35,6 @@ class Joined:
     spec_raw: bytes
     spec: dict
     run_key: bytes
-
-
-def _write_json(path: Path, data: object) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 def _host_port(maddr: str) -> tuple[str, int] | None:
@@ -79,7 +73,7 @@ def known_peers(state_dir: Path) -> list[str]:
 
 def remember_peers(state_dir: Path, maddrs: list[str]) -> None:
     merged = list(dict.fromkeys([*maddrs, *known_peers(state_dir)]))[:MAX_KNOWN_PEERS]
-    _write_json(state_dir / "known_peers.json", merged)
+    atomic_write_json(state_dir / "known_peers.json", merged, indent=1)
 
 
 def dial_addresses(heartbeats: list[Record], own_key: bytes, per_peer: int = 2) -> list[str]:
@@ -215,7 +209,7 @@ def join(
         )
     else:
         log.info("RunSpec of run %s verified against the pinned key %s", body["run_id"], author.hex()[:16])
-    _write_json(state_dir / "run.json", {"run_id": body["run_id"], "run_key": author.hex()})
+    atomic_write_json(state_dir / "run.json", {"run_id": body["run_id"], "run_key": author.hex()}, indent=1)
     remember_peers(state_dir, list(config.bootstrap))
     node.call(SpecServer(raw).attach(node))
     return Joined(node, raw, body, author)

@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import tempfile
 import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from heterorl.protocol.storage.files import TMP_PREFIX, atomic_write
 from heterorl.protocol.wire import checkpoint
 from heterorl.protocol.wire.errors import ProtocolError
 from heterorl.protocol.wire.messages import HASH_BYTES, decode
 
-TMP_PREFIX = ".tmp-"
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -38,28 +36,9 @@ def _is_hex_name(name: str) -> bool:
     return len(name) == 2 * HASH_BYTES and set(name) <= _HEX
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a fsynced temp file in the same folder and ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
+    """A chunk or manifest file, mode 0600 (the store's files are this peer's user's alone)."""
+    atomic_write(path, data, mode=0o600, tmp_prefix=TMP_PREFIX)
 
 
 def _sidecar(body: dict) -> dict:
