@@ -47,12 +47,12 @@ def _train(args: argparse.Namespace) -> int:
         )
         return 2
     from heterorl.peer.model import ensure_model
-    from heterorl.peer.train import LocalConfig, run_local
+    from heterorl.peer.train import OneProcessConfig, run_one_process
     from heterorl.protocol.settings import parse_adapter_flag
 
     try:
         obj_params = json.loads(args.objective_params) if args.objective_params else {}
-        cfg = LocalConfig(
+        cfg = OneProcessConfig(
             model=ensure_model(args.model, args.seed),
             task=args.task,
             task_params=json.loads(args.task_params),
@@ -79,7 +79,7 @@ def _train(args: argparse.Namespace) -> int:
     except (ValueError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary = run_local(cfg, args.out)
+    summary = run_one_process(cfg, args.out)
     print(
         f"reward: first 20 steps {summary['reward_first20']:.3f} -> last 20 steps "
         f"{summary['reward_last20']:.3f}  ({summary['wall_s']:.0f} s); summary at {args.out}/summary.json"

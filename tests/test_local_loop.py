@@ -11,7 +11,7 @@ import tomllib
 import torch
 
 from heterorl.peer.learner.update import update, update_options
-from heterorl.peer.train import LocalConfig, PolicyLag, run_local
+from heterorl.peer.train import OneProcessConfig, PolicyLag, run_one_process
 from heterorl.protocol.settings import RunConfig, RunSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +33,8 @@ def test_policy_lag_serves_k_versions_old():
 
 
 def test_run_local_writes_outputs_and_tracks_staleness(tiny_model_dir, tmp_path):
-    cfg = LocalConfig(model=str(tiny_model_dir), steps=5, prompts_per_step=4, group_size=4, delay=2)
-    summary = run_local(cfg, tmp_path, progress=False)
+    cfg = OneProcessConfig(model=str(tiny_model_dir), steps=5, prompts_per_step=4, group_size=4, delay=2)
+    summary = run_one_process(cfg, tmp_path, progress=False)
     for key in ("objective", "delay", "steps", "reward_curve"):
         assert key in summary
     assert len(summary["reward_curve"]) == 5
@@ -49,24 +49,24 @@ def test_run_local_writes_outputs_and_tracks_staleness(tiny_model_dir, tmp_path)
 
 @pytest.mark.slow
 def test_gepo_reward_rises(tiny_model_dir, tmp_path):
-    cfg = LocalConfig(model=str(tiny_model_dir), steps=80, seed=0)
-    curve = run_local(cfg, tmp_path, progress=False)["reward_curve"]
+    cfg = OneProcessConfig(model=str(tiny_model_dir), steps=80, seed=0)
+    curve = run_one_process(cfg, tmp_path, progress=False)["reward_curve"]
     assert sum(curve[-20:]) / 20 > sum(curve[:20]) / 20 + 0.05
 
 
 def test_bad_config_is_rejected():
     with pytest.raises(ValueError, match="unknown objective"):
-        LocalConfig(model="x", objective="nope")
+        OneProcessConfig(model="x", objective="nope")
     with pytest.raises(ValueError, match="delay"):
-        LocalConfig(model="x", delay=-1)
+        OneProcessConfig(model="x", delay=-1)
     with pytest.raises(ValueError, match="grad_clip"):  # checked as run.toml's [learner] is
-        LocalConfig(model="x", grad_clip=0)
+        OneProcessConfig(model="x", grad_clip=0)
 
 
 def test_the_loop_defaults_to_a_runs_settings_and_updates_as_the_learner_does():
     run = RunConfig(run_id="r", learner_keys=("ab" * 32,))
     settings = RunSettings.from_spec(run.runspec_body(b"\x01" * 32, 40))
-    cfg = LocalConfig(model="x")
+    cfg = OneProcessConfig(model="x")
     assert update_options(cfg) == update_options(settings)
     assert (cfg.lr, cfg.top_p, cfg.chat, cfg.task_params) == (run.lr, run.top_p, run.chat, run.task_params)
     assert (cfg.prompts_per_step, cfg.group_size) == (run.learner.prompts_per_update, run.learner.group_size)

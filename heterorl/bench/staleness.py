@@ -48,13 +48,13 @@ def _label(objective: str, defensive: bool) -> str:
 
 
 def _run_one(model: str, objective: str, defensive: bool, delay: int, seed: int, args, out: Path) -> dict:
-    from heterorl.peer.train import LocalConfig, run_local
+    from heterorl.peer.train import OneProcessConfig, run_one_process
 
     d = out / "runs" / f"{_label(objective, defensive)}-d{delay}-s{seed}"
     done = d / "summary.json"
     if not done.exists():
         params = {"defensive_sampling": defensive} if objective == "gepo" else {}
-        cfg = LocalConfig(
+        cfg = OneProcessConfig(
             model=model,
             objective=objective,
             steps=args.steps,
@@ -65,7 +65,7 @@ def _run_one(model: str, objective: str, defensive: bool, delay: int, seed: int,
             seed=seed,
             objective_params=params,
         )
-        run_local(cfg, d, progress=False)
+        run_one_process(cfg, d, progress=False)
     summary = json.loads(done.read_text())
     rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
     return {
@@ -182,7 +182,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     if args.quick:
         args.steps, args.prompts, args.seeds = 120, 8, [0, 1]
-    logging.getLogger("heterorl.peer.train.local").setLevel(logging.WARNING)
+    logging.getLogger("heterorl.peer.train.one_process").setLevel(logging.WARNING)
     variants = [v for v in VARIANTS if args.objectives is None or _label(*v) in args.objectives]
     if not variants:
         print(f"error: none of {args.objectives} is one of {[_label(*v) for v in VARIANTS]}")

@@ -142,7 +142,7 @@ def steady_rate(ends: list[float], warmup: int, per_step: float = 1.0) -> float:
 
 
 def local_config(args, model: str, objective: str, backend: str = "hf") -> dict:
-    """The ``LocalConfig`` fields of ``heterorl train --local`` on the benchmark's configuration."""
+    """The ``OneProcessConfig`` fields of ``heterorl train --local`` on the benchmark's configuration."""
     return {
         "model": model,
         "objective": objective,
@@ -159,11 +159,11 @@ def local_config(args, model: str, objective: str, backend: str = "hf") -> dict:
 
 
 def ours_local(local: dict, out: Path, warmup: int) -> tuple[float, float]:
-    """``heterorl train --local`` with ``local`` (LocalConfig fields): (steady steps/s, mean length)."""
-    from heterorl.peer.train import LocalConfig, run_local
+    """``heterorl train --local`` with ``local`` (OneProcessConfig fields): (steady steps/s, mean length)."""
+    from heterorl.peer.train import OneProcessConfig, run_one_process
 
     t0 = time.perf_counter()
-    run_local(LocalConfig(**local), out, progress=False)
+    run_one_process(OneProcessConfig(**local), out, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rate = steady_rate([t0 + r["time_s"] for r in rows], warmup)
     return rate, statistics.fmean(r["completion_len/mean"] for r in rows)
@@ -301,7 +301,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     from . import throughput_micro as micro
 
-    logging.getLogger("heterorl.peer.train.local").setLevel(logging.WARNING)
+    logging.getLogger("heterorl.peer.train.one_process").setLevel(logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()

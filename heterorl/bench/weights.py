@@ -166,7 +166,7 @@ class VersionMeter:
 
 
 def bench_model(name: str, path: str, runs: list[tuple[float, int]], seed: int) -> dict:
-    from heterorl.peer.train.local import LocalConfig, run_local
+    from heterorl.peer.train.one_process import OneProcessConfig, run_one_process
 
     p = DEFAULTS[name]
     out = []
@@ -174,7 +174,7 @@ def bench_model(name: str, path: str, runs: list[tuple[float, int]], seed: int) 
         shape = f"{p.prompts} prompts x {p.group}, {p.new_tokens} new tokens"
         _say(f"  {name}, lr {lr:g}: {updates} RL updates ({shape})")
         meter = VersionMeter(lr)
-        cfg = LocalConfig(
+        cfg = OneProcessConfig(
             model=path,
             task_params=p.task_params,
             steps=updates,
@@ -186,7 +186,7 @@ def bench_model(name: str, path: str, runs: list[tuple[float, int]], seed: int) 
             seed=seed,
         )
         with tempfile.TemporaryDirectory(prefix="heterorl-bench-weights-") as tmp:
-            run_local(cfg, tmp, progress=False, on_update=meter, save_checkpoint=False)
+            run_one_process(cfg, tmp, progress=False, on_update=meter, save_checkpoint=False)
         out.append(meter.summary())
     first = out[0]
     keys = ("lr", "updates", "delta_ratio", "delta_ratio_unique", "delta_ratio_first",

@@ -44,7 +44,7 @@ TIS_PARAMS = ("tis_cap", "tis_logp", "tis_rows")  # set by the learner, never by
 
 class UpdateSettings(Protocol):
     """What :func:`update_options` reads: a peer's :class:`~heterorl.protocol.settings.RunSettings`, or the
-    one-process loop's ``LocalConfig`` (same field names)."""
+    one-process loop's ``OneProcessConfig`` (same field names)."""
 
     objective: str
     advantage: str | None

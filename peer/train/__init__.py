@@ -1,6 +1,6 @@
-"""Training loops: the single-process local loop (``heterorl train --local``)."""
+"""Training in one process (``heterorl train --local``): sample, reward and learn in a loop, no network."""
 
-from .local import LocalConfig, run_local
+from .one_process import OneProcessConfig, run_one_process
 from .policy_lag import PolicyLag
 
-__all__ = ["LocalConfig", "PolicyLag", "run_local"]
+__all__ = ["OneProcessConfig", "PolicyLag", "run_one_process"]

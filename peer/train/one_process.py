@@ -39,7 +39,7 @@ def _learner_default(name: str):
 
 
 @dataclass(frozen=True)
-class LocalConfig:
+class OneProcessConfig:
     """Settings of one local run (CLI flags map one to one); the defaults are a run's (protocol.settings)."""
 
     model: str
@@ -96,8 +96,8 @@ class LocalConfig:
             raise ValueError("adapter runs in the local loop use the hf backend (the swarm's samplers: any)")
 
 
-def run_local(
-    cfg: LocalConfig,
+def run_one_process(
+    cfg: OneProcessConfig,
     out: str | Path,
     progress: bool = True,
     on_update: Callable[[int, torch.nn.Module, dict], None] | None = None,
