@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 import time
 
@@ -35,6 +34,7 @@ from .follower import CheckpointFollower
 from .hardware import rows_that_fit
 from .heartbeat import Status
 from .runtime import PeerRuntime
+from .stop_rule import PAUSE_POLL_S, StopRule
 from .weights import resolve_model
 
 log = logging.getLogger(__name__)
@@ -56,8 +56,6 @@ class SamplerOptions:
 
 
 MAX_PROMPT_TOKENS = 1024  # the engine's context: prompt + max_new_tokens, within the model's own limit
-PAUSE_POLL_S = 0.2
-PAUSE_LOG_EVERY_S = 60.0  # a pause of the same kind is logged at INFO at most this often (DEBUG otherwise)
 
 
 class Sampler:
@@ -121,15 +119,8 @@ class Sampler:
             options.check_every_s,
             options.check_max_s,
         )
-        self.max_lag = s.sampler.max_lag
-        self.paused_s = {"behind": 0.0, "busy": 0.0}
+        self.rule = StopRule(self, s.sampler.max_lag, s.learner.publish_every)
         self.gen_lag_max = 0  # the most versions behind the newest known that any batch was started
-        self._paused: str | None = None  # the kind of the pause in progress
-        self._paused_since = 0.0
-        self._pause_level = logging.DEBUG
-        self._pause_logged = {"behind": -math.inf, "busy": -math.inf}
-        self._busy = False  # the learner's last word on a batch was "busy", and one still waits
-        self._seen = (0, 0)  # the sender's (busy replies, other outcomes) counts at the last look
 
     # ---- checkpoints ----
 
@@ -249,67 +240,6 @@ class Sampler:
         }
         return bid, encode("TrajectoryBatch", body, self.identity), tokens
 
-    # ---- the stop rule ----
-
-    def _lag(self) -> int:
-        """Published versions between the one held and the newest known (versions are learner steps: with
-        ``publish_every = k`` a version is published every k of them)."""
-        if self.version is None:
-            return 0
-        return max(0, self.follower.newest - self.version) // self.settings.learner.publish_every
-
-    def _pause_reason(self) -> tuple[str, str] | None:
-        """(kind, state in words) while generating now would only make data nobody wants, else None."""
-        lag = self._lag()
-        if self.max_lag >= 0 and lag > self.max_lag:
-            f = self.follower
-            doing = (
-                f"fetching {f.fetching}"
-                if f.fetching is not None
-                else f"retry in {max(0, math.ceil(f.retry_at - time.monotonic()))} s"
-                if f.retry_at > time.monotonic()
-                else f"about to fetch {f.newest}"
-            )
-            return "behind", f"paused: {lag} versions behind ({doing})"
-        # the learner's latest word on our batches: a "busy" Reject pauses us until an Ack, a final Reject
-        # or no answer at all (then the outbox cap governs), or until nothing of ours waits any more
-        snd = self.sender
-        busy_for = snd.learner_busy_for()  # > 0 until the learner's retry_after_s passes; an Ack clears it
-        seen = (snd.deferred, snd.acked + snd.rejected + snd.failures)
-        said_busy, said_other = seen[0] > self._seen[0], seen[1] > self._seen[1]
-        if said_busy and (busy_for > 0 or not said_other):
-            self._busy = True
-        elif said_other:
-            self._busy = False
-        self._seen = seen
-        if self._busy and not len(self.outbox):
-            self._busy = False
-        if not self._busy:
-            return None
-        retry = f"retry in {math.ceil(busy_for)} s" if busy_for > 0 else "retrying"
-        return "busy", f"paused: learner busy ({retry})"
-
-    def _pause(self, kind: str, state: str) -> None:
-        now = time.monotonic()
-        if self._paused != kind:
-            self._resume()
-            self._paused, self._paused_since = kind, now
-            # a busy learner or a slow line may pause us often: INFO at most once a minute per kind
-            self._pause_level = logging.DEBUG
-            if now - self._pause_logged[kind] >= PAUSE_LOG_EVERY_S:
-                self._pause_logged[kind], self._pause_level = now, logging.INFO
-            log.log(self._pause_level, "%s", state)
-        self.status.state = state
-        self.rt.stop.wait(PAUSE_POLL_S)
-        self.paused_s[kind] += time.monotonic() - now
-
-    def _resume(self) -> None:
-        if self._paused is not None:
-            took = time.monotonic() - self._paused_since
-            why = "behind" if self._paused == "behind" else "learner busy"
-            log.log(self._pause_level, "resumed generating after %.1f s paused (%s)", took, why)
-            self._paused = None
-
     # ---- the role ----
 
     def refresh_status(self) -> Status:
@@ -324,10 +254,10 @@ class Sampler:
             "newest_version": f.newest,
             "fetching_version": -1 if f.fetching is None else f.fetching,
             "fetch_failures": f.failures,
-            "lag": self._lag(),
+            "lag": self.rule.lag(),
             "gen_lag_max": self.gen_lag_max,
-            "paused_behind_s": round(self.paused_s["behind"], 1),
-            "paused_busy_s": round(self.paused_s["busy"], 1),
+            "paused_behind_s": round(self.rule.paused_s["behind"], 1),
+            "paused_busy_s": round(self.rule.paused_s["busy"], 1),
             **{k.split("/")[-1]: v for k, v in self.sender.stats().items()},
             **{k.split("/")[-1]: v for k, v in self.rt.server.stats().items()},
         }
@@ -353,8 +283,8 @@ class Sampler:
             "left: %d batches made, %d left queued for next time; paused %.0f s behind, %.0f s busy",
             self.batches,
             queued,
-            self.paused_s["behind"],
-            self.paused_s["busy"],
+            self.rule.paused_s["behind"],
+            self.rule.paused_s["busy"],
         )
 
     def loop(self) -> None:
@@ -374,11 +304,11 @@ class Sampler:
                 )
                 stop.wait(PAUSE_POLL_S)
                 continue
-            pause = self._pause_reason()
+            pause = self.rule.reason()
             if pause is not None:
-                self._pause(*pause)
+                self.rule.pause(*pause)
                 continue
-            self._resume()
+            self.rule.resume()
             if len(self.outbox) >= self.opt.max_pending:
                 self.status.state = f"waiting for the learner ({self.sender.state})"
                 stop.wait(PAUSE_POLL_S)
@@ -387,7 +317,7 @@ class Sampler:
             self.status.state = f"generating with version {self.version}" + (
                 f"; fetching {fetching}" if fetching is not None else ""
             )
-            self.gen_lag_max = max(self.gen_lag_max, self._lag())
+            self.gen_lag_max = max(self.gen_lag_max, self.rule.lag())
             t = time.perf_counter()
             bid, data, tokens = self.make_batch()
             dt = time.perf_counter() - t
