@@ -1,12 +1,12 @@
-"""Test helpers for browser checks: find (or apt-install) headless Chromium, run it, read its PNG screenshots.
+"""Test helpers for browser checks: find headless Chromium, run it, read its PNG screenshots.
 
-Only what the dashboard tests need; no WebDriver/CDP, just the ``--headless`` command-line modes.
+Only what the dashboard tests need; no WebDriver/CDP, just the ``--headless`` command-line modes. The browser
+comes from the install step (``make install`` apt-installs Debian's ``chromium`` where it can), never from a
+test.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import shutil
 import struct
 import subprocess
@@ -14,47 +14,17 @@ import tempfile
 import zlib
 from pathlib import Path
 
-log = logging.getLogger(__name__)
-
-BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
-APT_TIMEOUT_S = 600
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")  # as in the Makefile
 HEADLESS_TIMEOUT_S = 90
 
 
-def _which() -> str | None:
+def find_chromium() -> str | None:
+    """Path of a Chromium/Chrome binary on PATH, or None."""
     for name in BROWSERS:
         path = shutil.which(name)
         if path:
             return path
     return None
-
-
-def _apt(*args: str) -> bool:
-    cmd = ["apt-get", *args]
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    log.warning("running: %s", " ".join(cmd))
-    try:
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=APT_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        log.warning("%s failed: %s", " ".join(cmd), e)
-        return False
-    if r.returncode != 0:
-        log.warning("%s exited %d: %s", " ".join(cmd), r.returncode, r.stderr.strip()[-2000:])
-    return r.returncode == 0
-
-
-def find_or_install_chromium() -> str | None:
-    """Path of a Chromium/Chrome binary, apt-installing Debian's ``chromium`` if we are root; else None."""
-    path = _which()
-    if path:
-        return path
-    if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("apt-get") is None:
-        log.warning("no chromium found and cannot apt-get install it (not root, or no apt-get)")
-        return None
-    install = ("install", "-y", "--no-install-recommends", "chromium")
-    if not _apt(*install) and not (_apt("update") and _apt(*install)):
-        return None
-    return _which()
 
 
 def headless(browser: str, url: str, *mode: str, window: tuple[int, int] = (1400, 1800)) -> str:

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from heterorl.peer import objectives as obj
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 F64 = torch.float64
 TOL = {"rtol": 1e-5, "atol": 2e-6}
 ADV_NAMES = ("grpo", "dr_grpo", "bnpo", "rloo")

@@ -9,6 +9,8 @@ import pytest
 
 from heterorl.peer.daemon.announcer import Announcer
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 
 def _manifest(version: int) -> tuple[bytes, dict]:
     return f"m{version}".encode(), {"version": version, "total_size": 10, "chunk_hashes": [b"h"]}

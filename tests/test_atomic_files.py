@@ -13,6 +13,8 @@ import pytest
 from heterorl.protocol.storage import files
 from heterorl.protocol.storage.files import TMP_PREFIX, atomic_write, atomic_write_json
 
+pytestmark = pytest.mark.fast
+
 
 def _leftovers(folder):
     return sorted(p.name for p in folder.iterdir() if p.name.startswith(TMP_PREFIX))

@@ -24,6 +24,8 @@ from heterorl.protocol.wire.checkpoint import (
     verify_chunk,
 )
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 CB = 64 << 10
 RUN = "run-ckpt"
 LEARNER = Identity.generate()

@@ -19,6 +19,8 @@ from heterorl.protocol.wire.delta import (
     read_header,
 )
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 
 def _state(seed: int = 0, n: int = 3000) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)

@@ -1,8 +1,8 @@
 """Checks of deploy/ that need no Docker daemon and no systemd: the files parse, agree with each other, and
-every ``heterorl`` command they run uses only flags that ``heterorl ... --help`` lists.
+every ``heterorl`` command they run uses only flags that ``heterorl ... --help`` lists, and no
+package-index host is written into them (the user names the index; deploy/README.md says which).
 
-A command that does not exist yet (``coordinator`` and ``peer`` arrive with the swarm roles) makes the flag
-check skip, naming it, after the commands that do exist have been checked.
+Skips are for the machine only: the init-as-root check needs root.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import yaml
 
 try:
     import tomllib
@@ -104,22 +105,18 @@ def invocations_in_text(text: str, where: str) -> list[Invocation]:
 
 
 def check_invocations(invocations: list[Invocation]) -> None:
-    """Fail on a flag the CLI lacks; then skip if some command could not be checked because it is missing."""
+    """Fail on a command or a flag the CLI lacks."""
     assert invocations, "no heterorl command found to check"
-    bad, missing = [], set()
+    bad = []
     for inv in invocations:
         allowed = cli_flags(inv.command)
         if allowed is None:
-            missing.add(" ".join(inv.command))
+            bad.append(f"{inv.where}: there is no command heterorl {' '.join(inv.command)}")
             continue
         unknown = [f for f in inv.flags if f not in allowed]
         if unknown:
             bad.append(f"{inv.where}: heterorl {' '.join(inv.command)} has no {', '.join(unknown)}")
     assert not bad, "\n".join(bad)
-    if missing:
-        pytest.skip(
-            f"heterorl {' and '.join(sorted(missing))} does not exist yet; their flags were not checked"
-        )
 
 
 def test_text_extraction_finds_commands_and_flags():
@@ -143,7 +140,6 @@ def test_text_extraction_finds_commands_and_flags():
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed: compose.yaml not parsed")
     data = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     assert isinstance(data, dict) and isinstance(data.get("services"), dict)
     return data
@@ -376,8 +372,7 @@ def test_wait_for_maddrs_gives_up_with_a_message(tmp_path):
 
 def _heterorl_bin() -> Path:
     exe = Path(sys.executable).parent / "heterorl"
-    if not exe.exists():
-        pytest.skip(f"no heterorl console script beside {sys.executable} (pip install -e . first)")
+    assert exe.exists(), f"no heterorl console script beside {sys.executable} (pip install -e . first)"
     return exe
 
 
@@ -416,10 +411,8 @@ def test_compose_init_writes_a_run_toml_the_coordinator_accepts(tmp_path):
     assert (tmp_path / "shared" / "run-key.hex").read_text().strip() == coordinator
     assert (tmp_path / "shared" / "coordinator").is_dir()
 
-    try:
-        from heterorl.protocol.settings import load_run_config
-    except ImportError as e:
-        pytest.skip(f"heterorl.protocol.settings is not importable yet ({e}); run.toml not validated")
+    from heterorl.protocol.settings import load_run_config
+
     cfg = load_run_config(run_toml)
     assert cfg.learner_keys == (learner,) and cfg.model == "tiny" and cfg.learner.max_staleness == -1
 
@@ -444,15 +437,13 @@ echo "public key: $(sha256sum "$4" | cut -c1-64)"
 
 def test_compose_init_as_root_hands_everything_to_the_user():
     """compose runs init as root (fresh volumes may be root-owned): all it writes must end up the user's."""
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv")
-    try:
-        import pwd
-
-        nobody = pwd.getpwnam("nobody")
-    except (ImportError, KeyError):
-        pytest.skip("no user 'nobody' to drop to")
+    if os.geteuid() != 0:
+        pytest.skip("not root: only root can run init as compose does and drop to another user")
+    assert shutil.which("setpriv"), "compose-init.sh drops privileges with setpriv (util-linux): install it"
+    import pwd
     import tempfile
+
+    nobody = pwd.getpwnam("nobody")  # every Debian/Ubuntu (and the python:3.11-slim image) has it
 
     root = Path(tempfile.mkdtemp(prefix="heterorl-init-"))  # not under pytest's 0700 tmp dirs
     try:
@@ -578,8 +569,52 @@ def test_dockerfile_pins_torch_and_installs_the_project(name):
     constraints = re.search(r"--constraint (\S+)", runs[project_runs[0]]).group(1)
     pinned = r"torch==2\.13\.0[^&]*>\s*" + re.escape(constraints)
     assert any(re.search(pinned, r) for r in runs), f"{constraints} must pin torch==2.13.0"
-    if name.endswith("cpu"):
-        assert "--index-url https://download.pytorch.org/whl/cpu" in runs[torch_runs[0]]
+    if name.endswith("cpu"):  # from the index the user names (PyTorch's CPU wheels), and none is no build
+        assert '--index-url "$TORCH_INDEX_URL" torch==2.13.0' in runs[torch_runs[0]]
+        assert re.match(r'test -n "\$TORCH_INDEX_URL"\s*\|\|', runs[torch_runs[0]]), "say that it is needed"
+    else:  # PyPI's CUDA build unless the user names another index
+        assert '${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0' in runs[torch_runs[0]]
+
+
+INDEX_VARIABLES = ("TORCH_INDEX_URL", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL")
+LOOPBACK = {"localhost", "127.0.0.1"}
+URL_HOST = re.compile(r"\b[a-z][a-z0-9+.-]*://([^/\s:\"'`<>)]+)", re.I)
+DOMAIN = re.compile(r"\b(?:[a-z0-9-]+\.)+(?:org|com|net|io|dev|ai|co|cn)\b", re.I)
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_takes_package_indexes_from_build_args(name):
+    ins = dockerfile(name)
+    args = [a for word, a in ins if word == "ARG"]
+    for var in INDEX_VARIABLES:
+        assert var in args, f"{name}: no `ARG {var}` (without a default: no index host in the repository)"
+    first_run = next(i for i, (word, _) in enumerate(ins) if word == "RUN")
+    declared = [i for i, (word, a) in enumerate(ins) if word == "ARG" and a in INDEX_VARIABLES]
+    assert max(declared) < first_run, "declare the index arguments before the first pip install"
+
+
+def test_compose_passes_the_package_indexes_from_the_environment(compose):
+    for name, svc in compose["services"].items():
+        if svc.get("build"):
+            args = svc["build"].get("args", {})
+            assert args == {v: "${" + v + ":-}" for v in INDEX_VARIABLES}, f"{name}: build args {args}"
+
+
+def test_no_package_index_host_is_written_into_deploy():
+    """Index URLs come from the user's environment; deploy/README.md says in words which index to use."""
+    for path in sorted([*DEPLOY.iterdir(), Path(__file__)]):
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        # loopback, or a placeholder in capitals (http://COORDINATOR:8470/)
+        hosts = {h for h in URL_HOST.findall(text) if h.lower() not in LOOPBACK and not h.isupper()}
+        assert not hosts, f"{path.name} names the hosts {sorted(hosts)}"
+        if path != Path(__file__):
+            assert not DOMAIN.findall(text), f"{path.name} names {DOMAIN.findall(text)}"
+    readme = (DEPLOY / "README.md").read_text()
+    assert "PyTorch's CPU wheel index" in readme and "TORCH_INDEX_URL" in readme
+    for var in INDEX_VARIABLES:
+        assert var in readme, f"deploy/README.md does not say what {var} is for"
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
@@ -684,8 +719,7 @@ def test_systemd_unit_variables_are_in_the_env_example():
 
 def test_systemd_unit_verifies(tmp_path):
     tool = shutil.which("systemd-analyze")
-    if tool is None:
-        pytest.skip("no systemd-analyze on this machine")
+    assert tool, "systemd-analyze (package systemd) is needed to verify the unit; `make install` installs it"
     text = (DEPLOY / "heterorl-peer.service").read_text()
     exe = shlex.split(unit()["Service"]["ExecStart"])[0]
     (tmp_path / "heterorl-peer.service").write_text(text.replace(exe, "/bin/true"))
@@ -741,10 +775,8 @@ def test_readme_commands_use_existing_flags():
 def test_readme_run_toml_is_a_valid_run_config(tmp_path):
     blocks = re.findall(r"^```toml\n(.*?)^```", (DEPLOY / "README.md").read_text(), re.S | re.M)
     assert len(blocks) == 1, "one run.toml example in deploy/README.md"
-    try:
-        from heterorl.protocol.settings import load_run_config
-    except ImportError as e:
-        pytest.skip(f"heterorl.protocol.settings is not importable yet ({e})")
+    from heterorl.protocol.settings import load_run_config
+
     path = tmp_path / "run.toml"
     path.write_text(blocks[0].replace("<64 hex chars>", "ab" * 32))
     cfg = load_run_config(path)

@@ -51,6 +51,7 @@ def alice_record(exp=NOW + 60, key=None, body=None):
     return make_record(key or peers_key(RUN), ALICE.public_key, msg, exp, ALICE)
 
 
+@pytest.mark.fast
 def test_owner_record_accepted_and_stripped():
     v = validator()
     rec = alice_record()
@@ -62,6 +63,7 @@ def test_owner_record_accepted_and_stripped():
     )  # Ed25519 is deterministic
 
 
+@pytest.mark.fast
 def test_mallory_cannot_write_alices_subkey():
     msg = encode("Heartbeat", heartbeat(peer_id="12D3KooWMallory"), MALLORY)
     # Mallory's validator does not sign a subkey it does not own: the record goes out unsigned
@@ -74,6 +76,7 @@ def test_mallory_cannot_write_alices_subkey():
     assert "record signature does not match its subkey's owner" in v.refused
 
 
+@pytest.mark.fast
 def test_mallory_cannot_rewrap_alices_message_as_his_own():
     msg = encode("Heartbeat", heartbeat(), ALICE)
     rec = make_record(peers_key(RUN), MALLORY.public_key, msg, NOW + 60, MALLORY)
@@ -82,12 +85,14 @@ def test_mallory_cannot_rewrap_alices_message_as_his_own():
     assert "message author differs from the record owner" in v.refused
 
 
+@pytest.mark.fast
 def test_replay_with_a_new_expiration_refused():
     rec = alice_record(exp=NOW + 60)
     assert validator().validate(rec)
     assert not validator().validate(dataclasses.replace(rec, expiration_time=NOW + 500))
 
 
+@pytest.mark.fast
 def test_wrong_key_for_the_kind_refused():
     v = validator()
     assert not v.validate(alice_record(key=checkpoints_key(RUN)))
@@ -96,16 +101,19 @@ def test_wrong_key_for_the_kind_refused():
     assert sum(v.refused.values()) == 3
 
 
+@pytest.mark.fast
 def test_expiration_bounded_per_kind():
     assert validator().validate(alice_record(exp=NOW + MAX_TTL_S["Heartbeat"]))
     assert not validator().validate(alice_record(exp=NOW + 10 * 86400))
 
 
+@pytest.mark.fast
 def test_messages_that_are_not_records_refused():
     ack = encode("Ack", {"run_id": RUN, "batch_id": b"\x01" * 16}, ALICE)
     assert not validator().validate(make_record(peers_key(RUN), ALICE.public_key, ack, NOW + 60, ALICE))
 
 
+@pytest.mark.fast
 def test_tampered_message_inside_a_valid_wrapper_refused():
     msg = bytearray(encode("Heartbeat", heartbeat(), ALICE))
     msg[-70] ^= 1  # inside the message signature or body
@@ -125,6 +133,7 @@ def _wrap(key, subkey_owner, msg, exp, signer):
     return DHTRecord(key_id(key), subkey, msgpack.packb([value, sig], use_bin_type=True), exp)
 
 
+@pytest.mark.fast
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(subkey=st.binary(max_size=64), value=st.binary(max_size=512), exp=st.floats(allow_nan=True))
 def test_garbage_never_raises_and_is_refused(subkey, value, exp):
@@ -133,6 +142,7 @@ def test_garbage_never_raises_and_is_refused(subkey, value, exp):
     assert validator().validate(DHTRecord(key_id(peers_key(RUN)), subkey, value, exp)) is False
 
 
+@pytest.mark.fast
 @settings(max_examples=200, deadline=None)
 @given(pos=st.integers(min_value=0), flip=st.integers(min_value=1, max_value=255))
 def test_any_flipped_byte_of_a_record_is_refused(pos, flip):

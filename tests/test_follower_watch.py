@@ -21,6 +21,8 @@ from heterorl.peer.daemon.follower import CheckpointFollower
 from heterorl.protocol.net.fetch import FetchReport
 from heterorl.protocol.wire.checkpoint import serialize_state_dict
 
+pytestmark = pytest.mark.fast
+
 SETTINGS = types.SimpleNamespace(run_id="watch-run", learner_keys=[b"k" * 32])
 
 

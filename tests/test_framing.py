@@ -6,6 +6,8 @@ import pytest
 
 from heterorl.protocol.net.framing import FrameError, read_frame, write_frame
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 
 def _reader(data: bytes, eof: bool = True) -> asyncio.StreamReader:
     r = asyncio.StreamReader()

@@ -9,6 +9,8 @@ import pytest
 
 from heterorl.protocol import Identity, load_identity, load_or_create_identity, verify
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 
 def test_key_file_created_once_with_0600_and_reused(tmp_path):
     path = tmp_path / "sub" / "id.key"

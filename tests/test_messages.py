@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from heterorl.protocol import PROTOCOL_VERSION, Identity, ProtocolError, decode, encode
 from heterorl.protocol.wire.messages import MAX_MESSAGE_BYTES
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 ALICE = Identity.generate()
 RUN = "run-1"
 

@@ -5,6 +5,8 @@ import torch
 
 from heterorl.peer import objectives as obj
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 
 def _batch(b=4, t=3):
     lp = -torch.rand(b, t) - 0.1

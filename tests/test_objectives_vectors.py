@@ -15,6 +15,8 @@ import torch
 
 from heterorl.peer import objectives as obj
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 F64 = torch.float64
 TOL = {"rtol": 1e-5, "atol": 2e-6}  # spec numbers are printed with 6 decimals
 

@@ -23,6 +23,8 @@ from heterorl.protocol.storage.outbox import (
     backoff_ceiling,
 )
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 
 class Clock:
     def __init__(self, t: float = 1000.0) -> None:

@@ -8,6 +8,8 @@ from heterorl.peer.model.prompts import CHAT_MODES, PromptFormat
 from heterorl.peer.model.tiny import build_tokenizer
 from heterorl.protocol import settings as runconfig
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 TEMPLATE = (
     "{% for m in messages %}<bos>{{ m['role'] }}:{{ m['content'] }}<eos>{% endfor %}"
     "{% if add_generation_prompt %}<bos>assistant:{% endif %}"

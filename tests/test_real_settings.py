@@ -9,6 +9,8 @@ from heterorl.peer.daemon.weights import weights_bytes
 from heterorl.protocol.settings import RunSettings, parse_run_config
 from heterorl.protocol.wire.checkpoint import deserialize_state_dict
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 KEY = "ab" * 32
 
 

@@ -11,6 +11,8 @@ from heterorl.peer.learner.intake import RewardCheck
 from heterorl.peer.model import build_tokenizer, completion_text
 from heterorl.peer.tasks import ArithmeticTask, CountdownTask, JsonlTask
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 
 @pytest.fixture(scope="module")
 def tok():

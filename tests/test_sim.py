@@ -40,6 +40,7 @@ def _books_balance(sim: Simulation, r: dict) -> None:
     assert sum(sim.stale.values()) == c["updates"] * per_update
 
 
+@pytest.mark.fast
 def test_wire_sizes_come_from_real_messages():
     small = trajectory_batch_bytes(1, 8, 50, 100)
     double = trajectory_batch_bytes(2, 8, 50, 100)
@@ -51,6 +52,7 @@ def test_wire_sizes_come_from_real_messages():
     assert manifest_bytes(m) > 11 * 32
 
 
+@pytest.mark.fast
 def test_fleet_is_drawn_by_share_and_bad_files_are_refused(tmp_path):
     peers = draw_peers(DEFAULT_FLEET, 4000, random.Random(0))
     share = sum(p.cls.name == "rtx4090" for p in peers) / len(peers)
@@ -96,6 +98,7 @@ def test_fleet_is_drawn_by_share_and_bad_files_are_refused(tmp_path):
         load_fleet(f)
 
 
+@pytest.mark.fast
 def test_an_oversupplied_learner_trains_all_the_time_and_keeps_its_books():
     sim = _sim(samplers=30)
     r = sim.run()
@@ -104,6 +107,7 @@ def test_an_oversupplied_learner_trains_all_the_time_and_keeps_its_books():
     _books_balance(sim, r)
 
 
+@pytest.mark.fast
 def test_an_undersupplied_learner_mostly_waits_and_sees_fresh_data():
     sim = _sim(fleet=(HardwareClass("cpu", 1.0, 40, 100, 20, 50, math.inf, 1.0),), samplers=2)
     r = sim.run()
@@ -112,6 +116,7 @@ def test_an_undersupplied_learner_mostly_waits_and_sees_fresh_data():
     _books_balance(sim, r)
 
 
+@pytest.mark.fast
 def test_max_staleness_refuses_old_batches():
     free = _sim(samplers=40).run()
     capped_sim = _sim(samplers=40, max_staleness=2)
@@ -121,6 +126,7 @@ def test_max_staleness_refuses_old_batches():
     _books_balance(capped_sim, capped)
 
 
+@pytest.mark.fast
 def test_slow_links_block_on_checkpoints_unless_fetching_in_background():
     blocking = _sim(fleet=(SLOW_LINK,), samplers=4).run()
     background = _sim(fleet=(SLOW_LINK,), samplers=4, background_fetch=True).run()
@@ -131,6 +137,7 @@ def test_slow_links_block_on_checkpoints_unless_fetching_in_background():
     assert delta["sampler_GB_per_h"]["down_median"] < blocking["sampler_GB_per_h"]["down_median"]
 
 
+@pytest.mark.fast
 def test_churn_loses_generations_but_no_queued_batch():
     sim = _sim(fleet=(CHURNY,), samplers=20, hours=0.5)
     r = sim.run()
@@ -139,11 +146,13 @@ def test_churn_loses_generations_but_no_queued_batch():
     _books_balance(sim, r)
 
 
+@pytest.mark.fast
 def test_a_buffer_smaller_than_an_update_is_refused():
     with pytest.raises(ValueError, match="never fill an update"):
         SimConfig(prompts_per_update=64, prompts_per_batch=2, buffer_batches=16)
 
 
+@pytest.mark.fast
 def test_same_seed_same_run():
     a, b = _sim(seed=3).run(), _sim(seed=3).run()
     assert a["staleness"] == b["staleness"] and a["counts"] == b["counts"]
@@ -170,6 +179,7 @@ def _bench_json(tmp_path, models: dict):
     return f
 
 
+@pytest.mark.fast
 def test_delta_ratio_is_a_number_or_read_from_bench_weights_json(tmp_path):
     from heterorl.sim.cli import delta_ratio
 
@@ -199,6 +209,7 @@ def test_delta_ratio_is_a_number_or_read_from_bench_weights_json(tmp_path):
     assert "WARNING" in delta_ratio(str(bad))[1]
 
 
+@pytest.mark.fast
 def test_a_delta_chain_costs_its_deltas_until_the_full_checkpoint_is_cheaper():
     sim = _sim(delta_ratio=0.01)
     full = sum(sim.chunk_sizes)
@@ -221,6 +232,7 @@ def test_a_delta_chain_costs_its_deltas_until_the_full_checkpoint_is_cheaper():
     assert slow_delta["counts"]["fetched_delta"] > 0
 
 
+@pytest.mark.fast
 def test_the_stop_rule_bounds_staleness_and_counts_paused_time():
     # slow links, no churn, one batch in flight: with background fetch and no stop rule samplers keep
     # generating with a version far behind; with --max-lag they pause until the fetch caught them up

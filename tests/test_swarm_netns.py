@@ -7,6 +7,8 @@ them). One sampler's link is cut for a while and restored: it must rejoin and it
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -17,10 +19,30 @@ from heterorl.protocol import load_or_create_identity
 from heterorl.testing import netns
 from heterorl.testing.swarm import Swarm
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(netns.available() is not None, reason=str(netns.available())),
-]
+pytestmark = pytest.mark.slow
+
+
+def no_netns() -> str | None:
+    """Why this machine cannot make network namespaces (not root, or the kernel or container refuses), or
+    None. A missing `ip` is no such reason: the test fails, naming it (`make install` installs iproute2)."""
+    if os.geteuid() != 0:
+        return "no netns: making network namespaces needs root"
+    if shutil.which("ip") is None:
+        return None
+    name = f"hrlprobe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        return f"no netns: this machine refuses `ip netns add` ({r.stderr.strip()[:200]})"
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _netns_support():
+    reason = no_netns()
+    if reason is not None:
+        pytest.skip(reason)
+    assert netns.available() is None, f"{netns.available()}: `make install` installs iproute2"
 
 
 def test_swarm_across_namespaces_survives_a_cut_link(tmp_path, tiny_model_dir):

@@ -14,6 +14,8 @@ from heterorl.peer.learner.update import rows_from_bodies
 from heterorl.protocol.settings import EXAMPLE, RunSettings, load_run_config, parse_run_config
 from heterorl.protocol.wire.staleness import staleness_bucket
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 KEY = "ab" * 32
 
 

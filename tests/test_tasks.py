@@ -30,6 +30,8 @@ from heterorl.peer.tasks import (
 )
 from heterorl.peer.tasks.arithmetic import arithmetic_answer
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
 
 

@@ -16,6 +16,8 @@ import torch
 from heterorl.peer import objectives as obj
 from heterorl.peer.objectives.tis import mismatch_stats, tis_correction
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 F64 = torch.float64
 B, T = 6, 5
 

@@ -219,6 +219,7 @@ class Download:
         self.to_fetch = sum(chunk_length(part, i) for i in todo)
         self.lacks: dict[str, set[int]] = collections.defaultdict(set)
         self.running: collections.Counter[str] = collections.Counter()
+        self.live: list[Provider] = []  # the providers found at the last lookup, less the banned
 
     async def run(self) -> None:
         f, tasks = self.f, set()
@@ -238,12 +239,10 @@ class Download:
                     )
                     live = [p for p in found if p.peer_id not in f.banned]
                     for p in live:
-                        if self.running[p.peer_id] >= f.streams:
-                            continue
-                        self.lacks[p.peer_id].clear()  # forgive misses: holders may have fetched more since
-                        for _ in range(f.streams - self.running[p.peer_id]):
-                            self.running[p.peer_id] += 1
-                            tasks.add(asyncio.ensure_future(self._run_worker(p)))
+                        if self.running[p.peer_id] < f.streams:
+                            self.lacks[p.peer_id].clear()  # forgive misses: they may hold more now
+                    self.live = live
+                    self._start_workers(tasks)
                     stalled = f.report.chunks_fetched == fetched_at_lookup
                     fetched_at_lookup = f.report.chunks_fetched
                     if stalled and not any(self.running.values()):
@@ -268,11 +267,24 @@ class Download:
                     tasks -= done
                     for t in done:
                         t.result()  # workers catch what they expect; anything else is a bug worth raising
+                    # chunks a provider turned out to lack went back to todo: the others take them now
+                    # (a provider's workers end when it has nothing they may take)
+                    self._start_workers(tasks)
                 elif self.todo:
                     await asyncio.sleep(wait_s)
         finally:
             for t in tasks:
                 t.cancel()
+
+    def _start_workers(self, tasks: set[asyncio.Future]) -> None:
+        """Up to ``streams`` workers for each live provider that may hold a chunk still to fetch."""
+        f = self.f
+        for p in self.live:
+            if p.peer_id in f.banned or not any(i not in self.lacks[p.peer_id] for i in self.todo):
+                continue
+            for _ in range(f.streams - self.running[p.peer_id]):
+                self.running[p.peer_id] += 1
+                tasks.add(asyncio.ensure_future(self._run_worker(p)))
 
     async def _run_worker(self, p: Provider) -> None:
         try:
