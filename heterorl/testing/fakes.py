@@ -35,8 +35,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from heterorl.protocol.net.dht import MAX_TTL_S, SignedRecordValidator, record_key
-from heterorl.protocol.net.node import Node, StreamHandler
-from heterorl.protocol.wire.errors import ProtocolError
+from heterorl.protocol.net.node import Node, StreamHandler, serve_stream
 from heterorl.protocol.wire.identity import Identity
 from heterorl.protocol.wire.messages import decode
 
@@ -349,17 +348,10 @@ class FakeNode:
         reader: asyncio.StreamReader,
         writer: FakeStreamWriter,
     ) -> None:
-        """What Node.add_handler wraps around a handler: expected endings are quiet, the stream is closed."""
+        """What Node.add_handler wraps around a handler (:func:`serve_stream`), the writer then forgotten."""
         try:
-            await handler(remote, reader, writer)
-        except (EOFError, ConnectionError, asyncio.IncompleteReadError):
-            pass
-        except ProtocolError as e:
-            log.info("%s: stream from %s refused: %s", name, remote[-8:], e)
-        except Exception:
-            log.exception("%s: handler failed on a stream from %s", name, remote[-8:])
+            await serve_stream(name, handler, remote, reader, writer)
         finally:
-            writer.close()
             self._writers.discard(writer)
 
     async def aclose(self) -> None:

@@ -53,6 +53,23 @@ class Record:
     expiration_time: float
 
 
+async def serve_stream(
+    name: str, handler: StreamHandler, remote: str, reader: asyncio.StreamReader, writer: Any
+) -> None:
+    """Run a protocol handler on one incoming stream: a peer hanging up is quiet, a refused stream is logged
+    (INFO: peers send garbage), a failing handler is logged with its traceback; the stream is closed after."""
+    try:
+        await handler(remote, reader, writer)
+    except (EOFError, ConnectionError, asyncio.IncompleteReadError):
+        pass
+    except ProtocolError as e:
+        log.info("%s: stream from %s refused: %s", name, remote[-8:], e)
+    except Exception:
+        log.exception("%s: handler failed on a stream from %s", name, remote[-8:])
+    finally:
+        writer.close()
+
+
 class Node:
     """Create with :meth:`Node.start`; close with :meth:`Node.close` (idempotent).
 
@@ -328,17 +345,7 @@ class Node:
         self._require_loop("add_handler")
 
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            remote = info.peer_id.to_base58()
-            try:
-                await handler(remote, reader, writer)
-            except (EOFError, ConnectionError, asyncio.IncompleteReadError):
-                pass
-            except ProtocolError as e:
-                log.info("%s: stream from %s refused: %s", name, remote[-8:], e)
-            except Exception:
-                log.exception("%s: handler failed on a stream from %s", name, remote[-8:])
-            finally:
-                writer.close()
+            await serve_stream(name, handler, info.peer_id.to_base58(), reader, writer)
 
         await self.p2p.add_binary_stream_handler(name, on_stream)
 
