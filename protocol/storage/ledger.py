@@ -23,12 +23,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sqlite3
-import threading
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Iterable
 
-from heterorl.protocol.storage.sqlite_util import open_store, transaction
+from heterorl.protocol.storage.sqlite_util import SqliteStore
 
 log = logging.getLogger(__name__)
 
@@ -67,37 +64,11 @@ class LedgerItem:
 _ITEM_COLUMNS = "batch_id, author, policy_version, coalesce(data, x''), received_at, applied_step"
 
 
-class AcceptedLog:
+class AcceptedLog(SqliteStore):
     """Append-only on-disk record of accepted batches, keyed by batch id, with their applied/pending state."""
 
-    def __init__(self, path: Path | str) -> None:
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        self._conn: sqlite3.Connection | None = open_store(self.path, APPLICATION_ID, SCHEMA_VERSION, _SCHEMA)
+    KIND, APPLICATION_ID, SCHEMA_VERSION, SCHEMA = "ledger", APPLICATION_ID, SCHEMA_VERSION, _SCHEMA
 
-    # -- lifecycle ---------------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Close the file; idempotent. Every accepted batch is already on disk."""
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-    def __enter__(self) -> AcceptedLog:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @contextmanager
-    def _txn(self) -> Iterator[sqlite3.Connection]:
-        """Hold the lock and one ``BEGIN IMMEDIATE`` transaction; commit on success, roll back on error."""
-        with self._lock:
-            if self._conn is None:
-                raise RuntimeError(f"ledger {self.path} is closed")
-            with transaction(self._conn) as conn:
-                yield conn
 
     # -- receiving -----------------------------------------------------------------------------------------
 

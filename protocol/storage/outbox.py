@@ -22,13 +22,11 @@ import logging
 import math
 import random
 import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
-from heterorl.protocol.storage.sqlite_util import open_store, transaction
+from heterorl.protocol.storage.sqlite_util import SqliteStore
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +84,15 @@ class Rejection:
     at: float
 
 
-class Outbox:
+class Outbox(SqliteStore):
     """Bounded on-disk queue of signed batches awaiting a learner's Ack; drops the oldest when full.
 
     ``max_items`` and ``max_bytes`` (sum of ``len(data)``) are the caps; ``clock`` gives seconds (injectable
     for tests, as is ``rng`` for the backoff jitter). Caps are re-applied on open, so reopening with smaller
     caps drops the oldest items (logged, counted).
     """
+
+    KIND, APPLICATION_ID, SCHEMA_VERSION, SCHEMA = "outbox", APPLICATION_ID, SCHEMA_VERSION, _SCHEMA
 
     def __init__(
         self,
@@ -104,13 +104,11 @@ class Outbox:
     ) -> None:
         if max_items < 1 or max_bytes < 1:
             raise ValueError(f"max_items and max_bytes must be >= 1, got {max_items} and {max_bytes}")
-        self.path = Path(path)
         self.max_items = max_items
         self.max_bytes = max_bytes
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
-        self._lock = threading.Lock()
-        self._conn: sqlite3.Connection | None = open_store(self.path, APPLICATION_ID, SCHEMA_VERSION, _SCHEMA)
+        super().__init__(path)
         try:
             with self._txn() as conn:
                 dropped = self._enforce_caps(conn)
@@ -120,29 +118,6 @@ class Outbox:
         if dropped:
             log.warning("outbox %s: dropped %d oldest items on open to fit the caps", self.path, len(dropped))
 
-    # -- lifecycle ---------------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Close the file; idempotent. Every committed put is already on disk."""
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-    def __enter__(self) -> Outbox:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @contextmanager
-    def _txn(self) -> Iterator[sqlite3.Connection]:
-        """Hold the lock and one ``BEGIN IMMEDIATE`` transaction; commit on success, roll back on error."""
-        with self._lock:
-            if self._conn is None:
-                raise RuntimeError(f"outbox {self.path} is closed")
-            with transaction(self._conn) as conn:
-                yield conn
 
     # -- queue operations --------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Opening of, and transactions on, the small single-file sqlite3 stores (sampler outbox, learner ledger).
+"""The small single-file sqlite3 stores (sampler outbox, learner ledger): opening, transactions, a base class.
 
 Each kind of store stamps its file with its own ``PRAGMA application_id`` and a ``user_version`` schema
 number, so pointing one at the other's file (or at any other file) fails at open with a clear error instead of
@@ -9,6 +9,7 @@ a process kill and, as far as the disk honours fsync, a power cut.
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,3 +81,45 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
+
+
+class SqliteStore:
+    """One single-file sqlite3 store behind one lock: the sampler's outbox and the learner's ledger.
+
+    Subclasses name their ``KIND`` (for messages), ``APPLICATION_ID``, ``SCHEMA_VERSION`` and ``SCHEMA``, and
+    do every read and write inside :meth:`_txn`: a network thread and the main thread may share an instance.
+    """
+
+    KIND = "store"
+    APPLICATION_ID = 0
+    SCHEMA_VERSION = 1
+    SCHEMA = ""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = open_store(
+            self.path, self.APPLICATION_ID, self.SCHEMA_VERSION, self.SCHEMA
+        )
+
+    def close(self) -> None:
+        """Close the file; idempotent. Every committed write is already on disk."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _txn(self) -> Iterator[sqlite3.Connection]:
+        """Hold the lock and one ``BEGIN IMMEDIATE`` transaction; commit on success, roll back on error."""
+        with self._lock:
+            if self._conn is None:
+                raise RuntimeError(f"{self.KIND} {self.path} is closed")
+            with transaction(self._conn) as conn:
+                yield conn
