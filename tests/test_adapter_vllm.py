@@ -4,26 +4,19 @@ run once in a child process (``heterorl.testing.vllm_adapter_check``), as in tes
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+
+from heterorl.testing.procs import run_json_check
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def checks(tiny_model_dir):
-    done = subprocess.run(
-        [sys.executable, "-m", "heterorl.testing.vllm_adapter_check", str(tiny_model_dir)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={"OMP_NUM_THREADS": "1", **os.environ},
-    )
-    assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json_check("heterorl.testing.vllm_adapter_check", str(tiny_model_dir))
 
 
 def test_vllm_serves_the_adapter_as_lora_and_agrees_with_the_learners_peft_model(checks):

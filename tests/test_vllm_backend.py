@@ -15,21 +15,14 @@ import pytest
 
 from heterorl.peer.rollout import make_backend
 from heterorl.peer.rollout.vllm import BackendUnavailable, unsupported_reason
+from heterorl.testing.procs import run_json_check
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def vllm_checks(tiny_model_dir):
-    done = subprocess.run(
-        [sys.executable, "-m", "heterorl.testing.vllm_check", str(tiny_model_dir)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={"OMP_NUM_THREADS": "1", **__import__("os").environ},
-    )
-    assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json_check("heterorl.testing.vllm_check", str(tiny_model_dir))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

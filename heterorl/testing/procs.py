@@ -1,4 +1,5 @@
-"""Run :mod:`heterorl.testing.netpeers` roles as real child processes and read their JSON events."""
+"""Child processes for tests: :mod:`heterorl.testing.netpeers` roles with their JSON events, and one-shot
+check modules that print their results as one JSON line."""
 
 from __future__ import annotations
 
@@ -96,3 +97,19 @@ class PeerProcess:
     def __exit__(self, *exc: object) -> None:
         if not self._log.closed:
             self.kill()
+
+
+def run_json_check(module: str, *args: str, timeout: float = 600) -> dict:
+    """``python -m module args`` in a child process (one thread per op), its last stdout line as JSON.
+
+    For checks that must not run in the test process (vLLM's engine changes process-wide torch settings);
+    AssertionError with the end of its stderr if it fails."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={"OMP_NUM_THREADS": "1", **os.environ},
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
