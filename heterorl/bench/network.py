@@ -36,6 +36,38 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _fetchers(
+    procs: list,
+    common: list[str],
+    work: Path,
+    name: str,
+    n: int,
+    key: str,
+    manifests: list[str],
+    extra: list[str],
+) -> list:
+    """``n`` fetch peers (serving what they hold) for ``manifests``, added to ``procs``; they wait for go."""
+    from heterorl.testing.procs import PeerProcess
+
+    group = []
+    for i in range(n):
+        store = ["--store", str(work / f"{name}-{i}"), "--learner-key", key, "--manifest", *manifests]
+        p = PeerProcess("fetch", *common, *store, *extra, "--serve", log_path=work / f"{name}-{i}.log")
+        procs.append(p)
+        group.append(p)
+    return group
+
+
+def _go(group: list) -> tuple[float, list[dict]]:
+    """Once every peer waits, say "go" to all at once; the start time and each peer's "fetched" event."""
+    for p in group:
+        p.wait_event("waiting", 120)
+    t0 = time.time()
+    for p in group:
+        p.send("go")
+    return t0, [p.wait_event("fetched", 900) for p in group]
+
+
 def bench_checkpoints(boot, work: Path, size_mb: int, peer_counts: list[int], chunk_kb: int) -> dict:
     from heterorl.testing.procs import PeerProcess
 
@@ -75,29 +107,8 @@ def bench_checkpoints(boot, work: Path, size_mb: int, peer_counts: list[int], ch
         }
         _say(f"  {size_mb} MB checkpoint: {v1['chunks']} chunks; raw TCP copy {raw_s:.3f} s")
         for n in peer_counts:
-            group = []
-            for i in range(n):
-                p = PeerProcess(
-                    "fetch",
-                    *common,
-                    "--store",
-                    str(work / f"n{n}-{i}"),
-                    "--learner-key",
-                    key,
-                    "--manifest",
-                    v1["manifest"],
-                    "--wait-go",
-                    "--serve",
-                    log_path=work / f"n{n}-{i}.log",
-                )
-                procs.append(p)
-                group.append(p)
-            for p in group:
-                p.wait_event("waiting", 120)
-            t0 = time.time()
-            for p in group:
-                p.send("go")
-            done = [p.wait_event("fetched", 900) for p in group]
+            group = _fetchers(procs, common, work, f"n{n}", n, key, [v1["manifest"]], ["--wait-go"])
+            t0, done = _go(group)
             if any(d["sha256"] != v1["sha256"] for d in done):
                 raise RuntimeError("a peer assembled different bytes than the seeder published")
             last = max(d["t_end"] for d in done) - t0
@@ -174,34 +185,11 @@ def bench_delta_propagation(
             f"({v2['delta_size'] / v2['total_size']:.2%} of the state)"
         )
         for mode in ("delta", "full"):
-            group = []
-            for i in range(peers):
-                extra = ["--no-delta"] if mode == "full" else []
-                p = PeerProcess(
-                    "fetch",
-                    *common,
-                    "--store",
-                    str(work / f"{mode}-{i}"),
-                    "--learner-key",
-                    key,
-                    "--manifest",
-                    v1["manifest"],
-                    v2["manifest"],
-                    "--go-before",
-                    "1",
-                    "--serve",
-                    *extra,
-                    log_path=work / f"{mode}-{i}.log",
-                )
-                procs.append(p)
-                group.append(p)
+            extra = ["--go-before", "1", *(["--no-delta"] if mode == "full" else [])]
+            group = _fetchers(procs, common, work, mode, peers, key, [v1["manifest"], v2["manifest"]], extra)
             for p in group:
                 p.wait_event("fetched", 900)  # version 1, in full
-                p.wait_event("waiting", 120)
-            t0 = time.time()
-            for p in group:
-                p.send("go")
-            done = [p.wait_event("fetched", 900) for p in group]
+            t0, done = _go(group)
             if any(d["sha256"] != v2["sha256"] for d in done):
                 raise RuntimeError("a peer assembled different bytes than the seeder published")
             from_seed = sum(d["from_provider"].get(seed_id, 0) for d in done)
