@@ -124,7 +124,8 @@ def run(args: argparse.Namespace, initial_state: InitialState) -> int:
     lock = threading.Lock()
     try:
         node.call(SpecServer(raw).attach(node))
-        maddrs = node.maddrs
+        node.call(node.addresses(), timeout=30)  # asks the daemon again if they were not known at start
+        maddrs = node.maddrs  # peers bootstrap through these (maddrs.txt): never written empty
         view.coordinator = {"peer_id": node.peer_id, "maddrs": maddrs, "started_at": time.time()}
         atomic_write(state_dir / "maddrs.txt", "\n".join(maddrs) + "\n")
         dash = DashboardServer(
