@@ -425,6 +425,12 @@ class LyingStore(ChunkStore):
         return None if data is None else bytes([data[0] ^ 1]) + data[1:]
 
 
+async def _fetch(fetcher, store, raw, **kw):
+    """fetch_checkpoint of run RUN, whose checkpoints ALICE signs."""
+    keys = [ALICE.public_key]
+    return await fetching.fetch_checkpoint(fetcher, store, raw, run_id=RUN, learner_keys=keys, **kw)
+
+
 def test_a_version_is_fetched_from_several_providers_and_announced(tmp_path):
     async def go():
         net = FakeNetwork()
@@ -453,9 +459,7 @@ def test_a_version_is_fetched_from_several_providers_and_announced(tmp_path):
         assert got is not None and got[0] == raw
         assert await chunks.latest_manifest(fetcher, RUN, [BOB.public_key]) is None  # not an allowed key
         store = ChunkStore(tmp_path / "fetcher", 1 << 30)
-        report = await fetching.fetch_checkpoint(
-            fetcher, store, raw, run_id=RUN, learner_keys=[ALICE.public_key], chunks_per_request=2
-        )
+        report = await _fetch(fetcher, store, raw, chunks_per_request=2)
         assert store.assemble(1) == data and report.fetched_bytes == len(data)
         assert set(report.from_provider) == {learner.peer_id, peer2.peer_id}
         assert not report.bad_providers
@@ -480,15 +484,7 @@ def test_a_provider_serving_bad_chunks_is_banned_and_routed_around(tmp_path):
         await chunks.ChunkServer(lying).attach(liar)
         providers = [chunks.Provider(liar.peer_id), chunks.Provider(learner.peer_id)]
         store = ChunkStore(tmp_path / "fetcher", 1 << 30)
-        report = await fetching.fetch_checkpoint(
-            fetcher,
-            store,
-            raw,
-            run_id=RUN,
-            learner_keys=[ALICE.public_key],
-            providers=providers,
-            refresh_s=0.05,
-        )
+        report = await _fetch(fetcher, store, raw, providers=providers, refresh_s=0.05)
         assert store.assemble(1) == data
         assert report.bad_providers == [liar.peer_id] and liar.peer_id not in report.from_provider
         await net.aclose()
@@ -516,15 +512,8 @@ def test_chunks_one_provider_lacks_come_from_another_and_a_manifest_needs_an_all
         await chunks.ChunkServer(half).attach(partial)
         fetcher, store = net.node(), ChunkStore(tmp_path / "fetcher", 1 << 30)
         providers = [chunks.Provider(learner.peer_id), chunks.Provider(partial.peer_id)]
-        report = await fetching.fetch_checkpoint(
-            fetcher,
-            store,
-            raw,
-            run_id=RUN,
-            learner_keys=[ALICE.public_key],
-            providers=providers,
-            streams_per_provider=1,
-            refresh_s=0.05,
+        report = await _fetch(
+            fetcher, store, raw, providers=providers, streams_per_provider=1, refresh_s=0.05
         )
         assert store.assemble(1) == data and not report.bad_providers
         # the peer was asked for chunks 4-7 first (the learner's stream took 0-3) and lacked them all
@@ -546,16 +535,8 @@ def test_a_provider_listed_first_that_lacks_the_last_chunks_does_not_starve_the_
         await chunks.ChunkServer(half).attach(partial)
         fetcher, store = net.node(), ChunkStore(tmp_path / "fetcher", 1 << 30)
         providers = [chunks.Provider(partial.peer_id), chunks.Provider(learner.peer_id)]
-        await fetching.fetch_checkpoint(
-            fetcher,
-            store,
-            raw,
-            run_id=RUN,
-            learner_keys=[ALICE.public_key],
-            providers=providers,
-            refresh_s=0.05,
-            timeout=1.0,  # 20 provider refreshes: far more than an honest download of 8 chunks needs
-        )
+        # timeout: 20 provider refreshes, far more than an honest download of 8 chunks needs
+        await _fetch(fetcher, store, raw, providers=providers, refresh_s=0.05, timeout=1.0)
         assert store.assemble(1) == data
         await net.aclose()
 
