@@ -22,15 +22,11 @@ import stat
 import subprocess
 import sys
 import threading
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -262,10 +262,7 @@ def test_learner_settings_defaults_and_validation():
 
 
 def test_learner_settings_travel_in_the_runspec():
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
+    import tomllib
 
     data = tomllib.loads(EXAMPLE)
     data["learner_keys"] = ["ab" * 32]

@@ -4,10 +4,10 @@ import inspect
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 
 from heterorl.peer.learner.update import update, update_options

@@ -138,7 +138,7 @@ class CheckpointFollower:
             found = await asyncio.wait_for(
                 latest_manifest(self.node, s.run_id, s.learner_keys, have + 1), LOOKUP_TIMEOUT_S
             )
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             raise RuntimeError(f"checkpoint lookup: no answer in {LOOKUP_TIMEOUT_S:.0f} s") from None
         except Exception as e:
             raise RuntimeError(f"checkpoint lookup failed: {type(e).__name__}: {e}") from None
@@ -198,7 +198,7 @@ class CheckpointFollower:
             )
             t1 = time.monotonic()
             data = await asyncio.to_thread(self.store.assemble, v)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             raise RuntimeError(f"could not fetch version {v}: no result in {FETCH_TIMEOUT_S:.0f} s") from None
         except Exception as e:
             raise RuntimeError(f"could not fetch version {v}: {type(e).__name__}: {e}") from None

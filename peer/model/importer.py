@@ -272,7 +272,7 @@ def import_gguf(
             "dtype": dtype,
             "parameters": n_params,
             "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
-            "imported_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "imported_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "transformers_version": transformers.__version__,
             **(provenance or {}),
         }

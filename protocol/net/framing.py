@@ -48,7 +48,7 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int, timeout: floa
     """
     try:
         return await asyncio.wait_for(_read(reader, max_bytes), timeout)
-    except (TimeoutError, asyncio.TimeoutError):
+    except TimeoutError:
         raise FrameError(f"no complete frame within {timeout:g} s", "timeout") from None
 
 

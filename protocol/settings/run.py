@@ -11,13 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
+import tomllib
 from pathlib import Path
 from typing import Any
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 from .base import (
     ADVANTAGES,

@@ -92,7 +92,7 @@ class FrameTarget(_Target):
             got = self.loop.run_until_complete(
                 asyncio.wait_for(self._read_all(stream, eof, max_bytes, cuts, box), config.FRAME_GUARD_S)
             )
-        except (TimeoutError, asyncio.TimeoutError):  # read_frame's own deadline did not hold
+        except TimeoutError:  # read_frame's own deadline did not hold
             raise _Hang(f"read_frame loop still running after {config.FRAME_GUARD_S:g} s") from None
         except _Crash as c:
             c.seconds = time.perf_counter() - t0
