@@ -10,13 +10,15 @@ import dataclasses
 import pytest
 import torch
 
+from heterorl.peer.learner.rows import Rows
+from heterorl.peer.learner.trainer import Trainer
 from heterorl.peer.learner.update import (
-    Rows,
+    StepOptions,
+    accumulate_gradients,
     activation_checkpointing,
     autocast_for,
     peak_memory_mib,
     plan_micro_batches,
-    update,
 )
 from heterorl.peer.model import completion_logprobs
 from heterorl.protocol.settings import EXAMPLE, LearnerSettings, RunSettings, parse_run_config
@@ -60,23 +62,30 @@ def rows(base):
     )
 
 
-def run(base, rows, objective="gepo", objective_params=None, **kw):
-    model = copy.deepcopy(base)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    stats = update(
-        model,
-        opt,
-        rows,
-        version=VERSION,
+def options(objective="gepo", objective_params=None, lr=0.5, grad_clip=1e9, **kw) -> StepOptions:
+    """grad_clip 1e9: no clipping, so raw gradients are compared."""
+    return StepOptions(
         objective=objective,
         advantage=None,
         objective_params=objective_params or {},
         temperature=1.0,
         max_new_tokens=T,
-        pad_id=0,
-        grad_clip=1e9,  # no clipping: compare raw gradients
+        lr=lr,
+        grad_clip=grad_clip,
         **kw,
     )
+
+
+def sgd(params, lr):
+    return torch.optim.SGD(params, lr=lr)
+
+
+def run(base, rows, objective="gepo", objective_params=None, **kw):
+    """One Trainer step (SGD at lr 0.5) on a copy of ``base`` at version VERSION: (model, stats)."""
+    model = copy.deepcopy(base)
+    trainer = Trainer(model, options(objective, objective_params, **kw), 0, optimizer=sgd, version=VERSION)
+    stats = trainer.step(rows)
+    assert trainer.version == VERSION + 1
     return model, stats
 
 
@@ -138,7 +147,9 @@ def test_mismatch_values_are_the_learner_logprobs_before_the_step(base, rows):
     d = (lp - rows.logq[:4]).abs()[rows.mask[:4] > 0]
     assert stats["mismatch/abs_max"] == pytest.approx(float(d.max()), rel=1e-5)
     assert stats["mismatch/abs_mean"] == pytest.approx(float(d.mean()), rel=1e-5)
-    _, off = run(base, rows, diagnose_mismatch=False)
+    off = accumulate_gradients(
+        copy.deepcopy(base), rows, options(), version=VERSION, pad_id=0, diagnose_mismatch=False
+    )
     assert not any(k.startswith("mismatch/") for k in off)
 
 
@@ -151,27 +162,22 @@ def count_forwards(model):
 def test_default_path_is_one_forward_and_reports_floats(base, rows):
     model = copy.deepcopy(base)
     calls, handle = count_forwards(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    common = dict(
-        version=VERSION,
-        objective="gepo",
-        advantage=None,
-        objective_params={},
-        temperature=1.0,
-        max_new_tokens=T,
-        pad_id=0,
-        grad_clip=1.0,
-    )
-    stats = update(model, opt, rows, **common)
+
+    def step(**kw):
+        return Trainer(model, options(lr=0.1, grad_clip=1.0, **kw), 0, optimizer=sgd, version=VERSION).step(
+            rows
+        )
+
+    stats = step()
     assert calls == [True]  # diagnostics and (below) TIS reuse the one grad forward
     assert all(type(v) is float for v in stats.values())
     assert stats["learner/micro_batches"] == 1.0 and stats["mem/peak_mib"] > 0
     calls.clear()
-    update(model, opt, rows, tis_cap=2.0, **common)
+    step(tis_cap=2.0)
     assert calls == [True]
     calls.clear()
     spans = plan_micro_batches([len(p) for p in rows.prompts], T, 30)
-    update(model, opt, rows, micro_batch_tokens=30, **common)
+    step(micro_batch_tokens=30)
     assert calls == [False] * len(spans) + [True] * len(spans)  # pass 1 no grad, pass 2 with grad
     handle.remove()
     assert not model.training

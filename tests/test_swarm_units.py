@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer
+from heterorl.peer.learner.rows import rows_from_bodies
 from heterorl.peer.learner.state import load_state, save_state
-from heterorl.peer.learner.update import rows_from_bodies
 from heterorl.protocol.settings import EXAMPLE, RunSettings, load_run_config, parse_run_config
 from heterorl.protocol.wire.staleness import staleness_bucket
 
@@ -108,8 +108,8 @@ def test_saved_state_restores_model_optimizer_and_step(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    save_state(tmp_path, model, opt, 7, {"run_id": "r"})
-    save_state(tmp_path, model, opt, 8, {"run_id": "r"})
+    save_state(tmp_path, model.state_dict(), opt.state_dict(), 7, {"run_id": "r"})
+    save_state(tmp_path, model.state_dict(), opt.state_dict(), 8, {"run_id": "r"})
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000008"]
     other = torch.nn.Linear(4, 3)
     other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)

@@ -64,7 +64,7 @@ def build(name: str, device: str) -> torch.nn.Module:
 
 def rollouts(model, n_prompts: int, group: int, prompt_len: int, new_tokens: int, version: int):
     """Completions sampled from the model (bf16 autocast), behaviour log-probs, random 0/1 rewards."""
-    from heterorl.peer.learner.update import Rows
+    from heterorl.peer.learner.rows import Rows
 
     dev = next(model.parameters()).device
     vocab = model.config.vocab_size
@@ -100,32 +100,31 @@ def rollouts(model, n_prompts: int, group: int, prompt_len: int, new_tokens: int
     )
 
 
-def _update(model, opt, rows, version: int, mbt: int | None) -> dict:
-    from heterorl.peer.learner.update import update
+def _trainer(model, lr: float, rows, mbt: int | None = None, optimizer=None):
+    """A GEPO Trainer on ``model`` (AdamW unless ``optimizer`` is given)."""
+    from heterorl.peer.learner.trainer import Trainer, adamw
+    from heterorl.peer.learner.update import StepOptions
 
-    return update(
-        model,
-        opt,
-        rows,
-        version=version,
+    opts = StepOptions(
         objective="gepo",
         advantage=None,
         objective_params={},
         temperature=1.0,
         max_new_tokens=rows.completions.shape[1],
-        pad_id=0,
+        lr=lr,
         grad_clip=1.0,
         micro_batch_tokens=mbt,
     )
+    return Trainer(model, opts, 0, optimizer=optimizer or adamw)
 
 
 def microbatch_agreement(model, rows) -> dict:
     """Gradients of one update computed whole and in micro-batches (SGD at lr 0: nothing moves)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    _update(model, opt, rows, 0, None)
+    sgd = lambda params, lr: torch.optim.SGD(params, lr=lr)  # noqa: E731
+    _trainer(model, 0.0, rows, optimizer=sgd).step(rows)
     whole = [p.grad.detach().clone() for p in model.parameters()]
     width = len(rows.prompts[0]) + rows.completions.shape[1]
-    stats = _update(model, opt, rows, 0, width * 4)
+    stats = _trainer(model, 0.0, rows, width * 4, optimizer=sgd).step(rows)
     diff = max(float((p.grad - w).abs().max()) for p, w in zip(model.parameters(), whole, strict=True))
     scale = max(float(w.abs().max()) for w in whole)
     return {"micro_batches": stats["learner/micro_batches"], "max_grad_diff_rel": diff / scale}
@@ -140,14 +139,15 @@ def deltas(model, lr: float, updates: int, rollout_shape: tuple[int, int, int, i
     from heterorl.peer.daemon.weights import weights_bytes
     from heterorl.protocol.wire.delta import apply_delta, changed_fraction, encode_delta
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    trainer = None
     prev = weights_bytes(model, "bfloat16")
     rows_out, exact = [], True
     for v in range(1, updates + 1):
         rows = rollouts(model, *rollout_shape, version=v - 1)
         _sync()
         t = time.perf_counter()
-        stats = _update(model, opt, rows, v - 1, None)
+        trainer = trainer or _trainer(model, lr, rows)
+        stats = trainer.step(rows)
         _sync()
         upd = time.perf_counter() - t
         data = weights_bytes(model, "bfloat16")

@@ -191,7 +191,9 @@ def rollout_and_switch(args, model: str, out: Path) -> tuple[dict, str]:
 def learner(args, model_path: str) -> tuple[dict, str]:
     import torch
 
-    from heterorl.peer.learner.update import Rows, plan_micro_batches, update
+    from heterorl.peer.learner.rows import Rows
+    from heterorl.peer.learner.trainer import Trainer
+    from heterorl.peer.learner.update import StepOptions, plan_micro_batches
     from heterorl.peer.model import load_model
     from heterorl.peer.model.logprobs import pack
     from heterorl.peer.rollout import SamplingParams, make_backend
@@ -214,7 +216,20 @@ def learner(args, model_path: str) -> tuple[dict, str]:
     )
     tokens = float(roll.completion_mask.sum())
     ours_model, plain_model = model, copy.deepcopy(model)
-    ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=args.lr, weight_decay=0.0)
+    ours_trainer = Trainer(
+        ours_model,
+        StepOptions(
+            objective="gepo",
+            advantage=None,
+            objective_params={},
+            temperature=1.0,
+            max_new_tokens=args.max_new_tokens,
+            lr=args.lr,
+            grad_clip=1.0,
+            micro_batch_tokens=args.micro_batch_tokens,
+        ),
+        tok.pad_token_id,
+    )
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=args.lr, weight_decay=0.0)
     labels = torch.where(rows.mask > 0, rows.completions, torch.full_like(rows.completions, -100))
     spans = plan_micro_batches(
@@ -223,22 +238,7 @@ def learner(args, model_path: str) -> tuple[dict, str]:
     stats: dict = {}
 
     def ours() -> float:
-        stats.update(
-            update(
-                ours_model,
-                ours_opt,
-                rows,
-                version=0,
-                objective="gepo",
-                advantage=None,
-                objective_params={},
-                temperature=1.0,
-                max_new_tokens=args.max_new_tokens,
-                pad_id=tok.pad_token_id,
-                grad_clip=1.0,
-                micro_batch_tokens=args.micro_batch_tokens,
-            )
-        )
+        stats.update(ours_trainer.step(rows))
         return tokens
 
     def plain() -> float:  # mean token CE over the batch, accumulated over the same micro-batches

@@ -1,8 +1,8 @@
-"""One learner update from decoded TrajectoryBatches: tensors, advantages, the run's objective, a step.
+"""The gradient of one learner update: advantages, the run's objective, backward (no optimiser step).
 
 Staleness is per row: the learner's current version minus the version the batch was sampled with; GEPO's
-defensive sampling turns on by itself for stale rows. Group ids are made unique across batches, so each
-sampler's prompt groups stay groups.
+defensive sampling turns on by itself for stale rows. :class:`~.trainer.Trainer` owns the step around it
+(zero_grad, clip, the optimiser).
 
 Sized for real models:
 
@@ -27,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import time
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -38,17 +39,19 @@ from heterorl.protocol.settings import LearnerSettings
 from .. import objectives
 from ..model import completion_logprobs
 from ..model.logprobs import model_device
+from .rows import Rows
 
 TIS_PARAMS = ("tis_cap", "tis_logp", "tis_rows")  # set by the learner, never by objective_params
 
 
 class UpdateSettings(Protocol):
-    """What :func:`update_options` reads: a peer's :class:`~heterorl.protocol.settings.RunSettings`, or the
-    one-process loop's ``OneProcessConfig`` (same field names)."""
+    """What :meth:`StepOptions.from_settings` reads: a peer's
+    :class:`~heterorl.protocol.settings.RunSettings`, or the one-process loop's ``OneProcessConfig``."""
 
     objective: str
     advantage: str | None
     objective_params: dict
+    lr: float
     temperature: float
     max_new_tokens: int
 
@@ -56,58 +59,45 @@ class UpdateSettings(Protocol):
     def learner(self) -> LearnerSettings: ...
 
 
-def update_options(s: UpdateSettings) -> dict[str, Any]:
-    """The keyword arguments of :func:`update` that come from the run's settings (all but the model, the
-    optimizer, the rows, the version and the pad id): the one place settings map onto an update."""
-    ls = s.learner
-    return {
-        "objective": s.objective,
-        "advantage": s.advantage,
-        "objective_params": s.objective_params,
-        "temperature": s.temperature,
-        "max_new_tokens": s.max_new_tokens,
-        "grad_clip": ls.grad_clip,
-        "micro_batch_tokens": ls.micro_batch_tokens,
-        "gradient_checkpointing": ls.gradient_checkpointing,
-        "tis_cap": ls.tis_cap,
-    }
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """What one update does, taken from the run's settings (:meth:`from_settings`, the one place settings
+    map onto an update): the objective and its advantage, the sampling it re-scores with, the optimiser's
+    lr and clip, and how the batch is cut into forwards."""
 
+    objective: str
+    advantage: str | None
+    objective_params: dict
+    temperature: float
+    max_new_tokens: int
+    lr: float
+    grad_clip: float
+    micro_batch_tokens: int | None = None
+    gradient_checkpointing: bool = False
+    tis_cap: float | None = None
 
-@dataclasses.dataclass
-class Rows:
-    prompts: list[list[int]]
-    completions: torch.Tensor  # [N, T] padded
-    mask: torch.Tensor  # [N, T]
-    logq: torch.Tensor  # [N, T] behaviour log-probs, 0 on padding
-    rewards: torch.Tensor  # [N]
-    group_ids: torch.Tensor  # [N]
-    versions: torch.Tensor  # [N] policy version each row was sampled with
+    def __post_init__(self) -> None:
+        reserved = sorted(set(TIS_PARAMS) & set(self.objective_params))
+        if reserved:
+            raise ValueError(
+                f"{', '.join(reserved)}: set by the learner (learner.tis_cap), not objective params"
+            )
 
-
-def rows_from_bodies(bodies: list[dict], pad_id: int) -> Rows:
-    flat = [(b, r, bi) for bi, b in enumerate(bodies) for r in b["rows"]]
-    width = max(1, max(len(r["completion_ids"]) for _, r, _ in flat))
-    n = len(flat)
-    completions = torch.full((n, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    logq = torch.zeros((n, width), dtype=torch.float32)
-    for i, (_, r, _) in enumerate(flat):
-        k = len(r["completion_ids"])
-        if k:
-            completions[i, :k] = torch.tensor(r["completion_ids"])
-            mask[i, :k] = 1
-            logq[i, :k] = torch.tensor(r["logprobs"], dtype=torch.float32)
-    groups = {}
-    group_ids = torch.tensor([groups.setdefault((bi, r["group"]), len(groups)) for _, r, bi in flat])
-    return Rows(
-        prompts=[list(r["prompt_ids"]) for _, r, _ in flat],
-        completions=completions,
-        mask=mask,
-        logq=logq,
-        rewards=torch.tensor([float(r["reward"]) for _, r, _ in flat]),
-        group_ids=group_ids,
-        versions=torch.tensor([b["policy_version"] for b, _, _ in flat]),
-    )
+    @classmethod
+    def from_settings(cls, s: UpdateSettings) -> StepOptions:
+        ls = s.learner
+        return cls(
+            objective=s.objective,
+            advantage=s.advantage,
+            objective_params=dict(s.objective_params),
+            temperature=s.temperature,
+            max_new_tokens=s.max_new_tokens,
+            lr=s.lr,
+            grad_clip=ls.grad_clip,
+            micro_batch_tokens=ls.micro_batch_tokens,
+            gradient_checkpointing=ls.gradient_checkpointing,
+            tis_cap=ls.tis_cap,
+        )
 
 
 def plan_micro_batches(
@@ -166,50 +156,42 @@ def peak_memory_mib(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
-def update(
+def accumulate_gradients(
     policy: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
     rows: Rows,
+    opts: StepOptions,
     *,
     version: int,
-    objective: str,
-    advantage: str | None,
-    objective_params: dict,
-    temperature: float,
-    max_new_tokens: int,
     pad_id: int,
-    grad_clip: float,
-    micro_batch_tokens: int | None = None,
-    gradient_checkpointing: bool = False,
-    tis_cap: float | None = None,
     diagnose_mismatch: bool = True,
 ) -> dict[str, float]:
-    """One optimiser step of ``objective`` on ``rows``; the objective's stats plus reward and staleness.
+    """Backpropagate ``opts.objective`` on ``rows`` into the parameters' ``.grad`` (which the caller zeroed:
+    :meth:`~.trainer.Trainer.step` owns zero_grad, clipping and the optimiser step); the objective's stats
+    plus reward and staleness.
 
-    micro_batch_tokens: token budget of one forward (rows × padded prompt+completion width); ``None`` =
-        all rows at once. The gradient is the full batch's either way (module docstring).
-    gradient_checkpointing: recompute activations in backward (HF models that support it).
-    tis_cap: C of truncated importance sampling on fresh rows; ``None`` = off.
-    diagnose_mismatch: report ``mismatch/*`` over fresh rows (costs no forward pass).
-    Also reports ``learner/micro_batches`` and ``mem/peak_mib`` (CUDA: max allocated during this
-    update; CPU: the process's peak RSS so far).
+    ``version``: the policy's version (rows sampled with it are fresh; the others' staleness is the gap).
+    ``opts.micro_batch_tokens``: token budget of one forward (rows × padded prompt+completion width);
+    ``None`` = all rows at once. The gradient is the full batch's either way (module docstring).
+    ``opts.tis_cap``: C of truncated importance sampling on fresh rows; ``None`` = off.
+    ``diagnose_mismatch``: report ``mismatch/*`` over fresh rows (costs no forward pass).
+    Also reports ``learner/micro_batches`` and ``time/fwd_bwd_s`` (seconds in the forwards and backward).
     """
-    reserved = sorted(set(TIS_PARAMS) & set(objective_params))
-    if reserved:
-        raise ValueError(f"{', '.join(reserved)}: set by the learner (learner.tis_cap), not objective params")
     device = model_device(policy)
-    spans = plan_micro_batches([len(p) for p in rows.prompts], rows.completions.shape[1], micro_batch_tokens)
-    adv_name = advantage or objectives.default_advantage(objective)
+    spans = plan_micro_batches(
+        [len(p) for p in rows.prompts], rows.completions.shape[1], opts.micro_batch_tokens
+    )
+    adv_name = opts.advantage or objectives.default_advantage(opts.objective)
     adv = objectives.advantages(adv_name, rows.rewards, rows.group_ids).to(device)
     staleness = (version - rows.versions).clamp_min(0).float()
     fresh = (rows.versions == version).to(device)
     logq, mask, group_ids = rows.logq.to(device), rows.mask.to(device), rows.group_ids.to(device)
-    params = {"max_len": max_new_tokens, **objective_params}
+    params = {"max_len": opts.max_new_tokens, **opts.objective_params}
+    tis_cap = opts.tis_cap
 
     def objective_on(logp: Tensor, logp_old: Tensor) -> tuple[Tensor, dict[str, float]]:
         tis = {} if tis_cap is None else {"tis_cap": tis_cap, "tis_logp": logp_old, "tis_rows": fresh}
         return objectives.compute(
-            objective, logp, logq, mask, adv, group_ids, staleness=staleness.to(device), **params, **tis
+            opts.objective, logp, logq, mask, adv, group_ids, staleness=staleness.to(device), **params, **tis
         )
 
     def score(start: int, stop: int) -> Tensor:
@@ -220,41 +202,41 @@ def update(
                 rows.completions[start:stop],
                 rows.mask[start:stop],
                 pad_id,
-                temperature,
+                opts.temperature,
             )
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     policy.train()
-    optimizer.zero_grad(set_to_none=True)
-    with activation_checkpointing(policy, gradient_checkpointing):
-        if len(spans) == 1:  # direct: one forward with grad; its detached values are π_learner(version)
-            logp = score(0, len(rows.prompts))
-            logp_old = logp.detach()
-            loss, stats = objective_on(logp, logp_old)
-            loss.backward()
-        else:  # cotangent method: exact full-batch gradient from micro-batch forwards
-            with torch.no_grad():
-                logp_old = torch.cat([score(a, b) for a, b in spans])
-            leaf = logp_old.clone().requires_grad_(True)
-            loss, stats = objective_on(leaf, logp_old)
-            loss.backward()
-            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            for a, b in spans:
-                (score(a, b) * g[a:b]).sum().backward()
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip))
-    optimizer.step()
-    policy.eval()
+    t0 = time.perf_counter()
+    try:
+        with activation_checkpointing(policy, opts.gradient_checkpointing):
+            if len(spans) == 1:  # direct: one forward with grad; its detached values are π_learner(version)
+                logp = score(0, len(rows.prompts))
+                logp_old = logp.detach()
+                loss, stats = objective_on(logp, logp_old)
+                loss.backward()
+            else:  # cotangent method: exact full-batch gradient from micro-batch forwards
+                with torch.no_grad():
+                    logp_old = torch.cat([score(a, b) for a, b in spans])
+                leaf = logp_old.clone().requires_grad_(True)
+                loss, stats = objective_on(leaf, logp_old)
+                loss.backward()
+                g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                for a, b in spans:
+                    (score(a, b) * g[a:b]).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the time below is the kernels', not their launch
+    finally:
+        policy.eval()
+    fwd_bwd_s = time.perf_counter() - t0
     if diagnose_mismatch:
         stats.update(objectives.mismatch_stats(logp_old, logq, mask, fresh))
     return {
         **{k: float(v) for k, v in stats.items()},
         "loss": float(loss.detach()),
-        "grad_norm": grad_norm,
         "reward/mean": float(rows.rewards.mean()),
         "staleness/mean": float(staleness.mean()),
         "staleness/max": float(staleness.max()),
         "rows": float(len(rows.rewards)),
         "learner/micro_batches": float(len(spans)),
-        "mem/peak_mib": peak_memory_mib(device),
+        "time/fwd_bwd_s": fwd_bwd_s,  # the forwards and backward (the objective's own math included)
     }

@@ -18,7 +18,9 @@ from heterorl.protocol.storage.files import atomic_write_json
 from heterorl.protocol.wire.checkpoint import serialize_state_dict
 
 from .. import objectives
-from ..learner.update import Rows, update, update_options
+from ..learner.rows import Rows
+from ..learner.trainer import Trainer
+from ..learner.update import StepOptions
 from ..model import adapter, load_model
 from ..model.prompts import CHAT_MODES, PromptFormat
 from ..rollout import SamplingParams, make_backend
@@ -70,7 +72,7 @@ class OneProcessConfig:
 
     @property
     def learner(self) -> LearnerSettings:
-        """The ``[learner]`` settings this loop's update uses (:func:`update_options`)."""
+        """The ``[learner]`` settings this loop's update uses (:meth:`StepOptions.from_settings`)."""
         return LearnerSettings(
             prompts_per_update=self.prompts_per_step,
             group_size=self.group_size,
@@ -138,8 +140,10 @@ def run_one_process(
     log.info("rollouts: %s; prompts: %s", backend.describe(), prompts_fmt.describe())
     engine_version = 0 if cfg.backend == "hf" or cfg.engine_dtype == "float32" else -1
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+    trainer = Trainer(
+        policy, StepOptions.from_settings(cfg), tok.pad_token_id, adapter=cfg.adapter is not None
+    )
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
 
     reward_curve: list[float] = []
     if on_update is not None:
@@ -173,9 +177,7 @@ def run_one_process(
                 group_ids=torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.group_size),
                 versions=torch.full((rows_per_step,), version),
             )
-            stats = update(
-                policy, opt, rows, version=lag.version, pad_id=tok.pad_token_id, **update_options(cfg)
-            )
+            stats = trainer.step(rows)
             lag.step()
             if on_update is not None:
                 on_update(step, policy, stats)

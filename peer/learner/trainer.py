@@ -1,0 +1,181 @@
+"""The Trainer: the policy, its optimiser and the objective, with nothing of the network in it.
+
+The learner peer's network role (intake, ledger, publishing, heartbeats) and the one-process loop both drive
+a Trainer; what comes next plugs in here without touching them: a verifier scores rows under the version a
+batch claims (:meth:`Trainer.score`), another objective is a :class:`~.update.StepOptions` away, FSDP ranks
+or a collaborative optimiser replace the optimiser that :meth:`Trainer.step` steps.
+
+It does four things:
+
+- :meth:`score`: per-token log-probs of rows under its current weights, or under any given weights (another
+  version's) without touching its own (``torch.func.functional_call``);
+- :meth:`step`: one update on a batch: zero the gradients, the objective's gradient
+  (:func:`~.update.accumulate_gradients`), clip, the optimiser's step; ``version`` counts the steps taken;
+- :meth:`snapshot`: copies of what a version publishes (the weights, or an adapter run's adapters, rounded to
+  the checkpoint dtype) and, if asked, of the model and optimiser state, made on the trainer's device between
+  steps so that another thread can serialise, diff and save them while the next step runs;
+- :meth:`save` / :meth:`restore`: the durable state (:mod:`.state`), from a snapshot.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..model import adapter as lora
+from ..model import completion_logprobs
+from ..model.logprobs import model_device
+from .rows import Rows
+from .state import load_state, save_state
+from .update import StepOptions, accumulate_gradients, autocast_for, peak_memory_mib
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
+
+
+def adamw(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """The learner's optimiser: AdamW without weight decay (the one place it is built)."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A version as it stood after ``version`` steps, copied off the live tensors.
+
+    ``weights``: what a checkpoint of it carries, in the checkpoint dtype, on the trainer's device.
+    ``model_state`` / ``optimizer_state``: the trainer's full state for :meth:`Trainer.save` (None when the
+    snapshot is for publishing only).
+    """
+
+    version: int
+    weights: dict[str, Tensor]
+    model_state: dict[str, Tensor] | None = None
+    optimizer_state: dict | None = None
+
+
+class Trainer:
+    """Owns ``model`` (in train mode only inside :meth:`step`), its optimiser and the update's options."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        options: StepOptions,
+        pad_id: int,
+        *,
+        adapter: bool = False,
+        optimizer: OptimizerFactory = adamw,
+        version: int = 0,
+    ):
+        """``adapter``: ``model`` is a peft LoRA model whose checkpoints carry the adapters alone."""
+        self.model, self.options, self.pad_id, self.adapter = model, options, pad_id, adapter
+        self.optimizer = optimizer([p for p in model.parameters() if p.requires_grad], options.lr)
+        self.version = version
+
+    @property
+    def device(self) -> torch.device:
+        return model_device(self.model)
+
+    # ---- scoring ----
+
+    @torch.no_grad()
+    def score(self, rows: Rows, weights: Mapping[str, Tensor] | None = None) -> Tensor:
+        """log π(completion token) of every row [N, T] (0 on padding), at the run's temperature, under the
+        trainer's weights or under ``weights`` (a state dict by the model's names, e.g. an older version's
+        checkpoint, in any dtype; names it lacks keep the trainer's)."""
+        model = self.model if weights is None else _WithWeights(self.model, weights)
+        with autocast_for(self.device):
+            return completion_logprobs(
+                model, rows.prompts, rows.completions, rows.mask, self.pad_id, self.options.temperature
+            )
+
+    # ---- training ----
+
+    def step(self, rows: Rows) -> dict[str, float]:
+        """One optimiser step of the objective on ``rows``; returns the objective's stats plus the gradient
+        norm (before clipping) and peak memory. Rows sampled with ``version`` are fresh."""
+        device = self.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = accumulate_gradients(self.model, rows, self.options, version=self.version, pad_id=self.pad_id)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.options.grad_clip))
+        self.optimizer.step()
+        self.version += 1
+        return {**stats, "grad_norm": grad_norm, "mem/peak_mib": peak_memory_mib(device)}
+
+    # ---- versions and state ----
+
+    def published_state(self) -> dict[str, Tensor]:
+        """The live tensors a checkpoint carries: the model's state, or an adapter run's adapters."""
+        return lora.adapter_state(self.model) if self.adapter else self.model.state_dict()
+
+    def snapshot(self, dtype: str, with_state: bool = True) -> Snapshot:
+        """Copies, on the trainer's device, of the checkpoint tensors (floating ones rounded to ``dtype``)
+        and, with ``with_state``, of the model and optimiser state. Between steps only: this is the one
+        moment the training thread spends on publishing."""
+        target = getattr(torch, dtype)
+        model_state = optimizer_state = None
+        if with_state:
+            model_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            optimizer_state = _clone_tensors(self.optimizer.state_dict())
+        weights = {}
+        for name, t in self.published_state().items():
+            if model_state is not None and name in model_state and t.dtype == target:
+                weights[name] = model_state[name]  # the same values: one copy serves both
+            elif t.is_floating_point():
+                weights[name] = t.detach().to(target, copy=True)
+            else:
+                weights[name] = t.detach().clone()
+        return Snapshot(self.version, weights, model_state, optimizer_state)
+
+    @staticmethod
+    def save(root: Path, snapshot: Snapshot, meta: dict) -> Path:
+        """Write ``snapshot``'s model and optimiser state as the save of its version (any thread)."""
+        if snapshot.model_state is None or snapshot.optimizer_state is None:
+            raise ValueError("this snapshot carries no state to save (made with with_state=False)")
+        return save_state(root, snapshot.model_state, snapshot.optimizer_state, snapshot.version, meta)
+
+    def restore(self, root: Path) -> dict | None:
+        """Load the current save under ``root``; its meta (``version`` set from its step), or None."""
+        meta = load_state(root, self.model, self.optimizer)
+        if meta is not None:
+            self.version = int(meta["step"])
+        return meta
+
+
+class _WithWeights:
+    """``model`` called with other parameter and buffer values (``torch.func.functional_call``), cast to the
+    dtype and device of the model's own; what :func:`completion_logprobs` needs of a model."""
+
+    def __init__(self, model: nn.Module, weights: Mapping[str, Tensor]):
+        own = model.state_dict()
+        unknown = sorted(set(weights) - set(own))[:3]
+        if unknown:
+            raise ValueError(f"weights name tensors the model does not have: {unknown}")
+        self.device = model_device(model)
+        values = {k: v.to(own[k].device, own[k].dtype) for k, v in weights.items()}
+
+        @functools.wraps(model.forward)  # keeps its signature (which keywords it takes)
+        def forward(*args, **kwargs):
+            return torch.func.functional_call(model, values, args, kwargs, tie_weights=False, strict=False)
+
+        self.forward = forward
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+def _clone_tensors(obj):
+    """A deep copy of an optimiser ``state_dict()`` whose tensors are clones (it holds live references)."""
+    if isinstance(obj, Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_tensors(v) for v in obj]
+    return copy.deepcopy(obj)
