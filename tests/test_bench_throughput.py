@@ -22,15 +22,32 @@ def test_steady_rate_leaves_out_the_warmup():
         steady_rate(ends[:2], warmup=1)
 
 
-def test_swarm_window_reads_wait_and_train_time():
+def test_swarm_window_reads_wait_train_and_publishing_time():
     rows = [
-        {"time": 100.0 + 2 * i, "wait_s": 0.5 * i, "train_s": 1.5 * i, "rows": 128, "staleness/mean": i % 3}
+        {
+            "time": 100.0 + 2 * i,
+            "wait_s": 0.5 * i,
+            "train_s": 1.4 * i,
+            "publish_blocked_s": 0.1 * i,  # the training thread's share: 5 %
+            "publish_save_s": 0.2 * i,  # the publisher thread's own time
+            "publish_build_s": 0.6 * i,
+            "publish_announce_s": 0.02 * i,
+            "published": i // 2,  # every other version published: the publisher skips
+            "time/fwd_bwd_s": 1.2,
+            "rows": 128,
+            "staleness/mean": i % 3,
+        }
         for i in range(10)
     ]
     w = swarm_window(rows, warmup=2)
     assert w["trajectories_per_s"] == pytest.approx(64.0)
     assert w["updates_per_s"] == pytest.approx(0.5)
-    assert w["wait_frac"] == pytest.approx(0.25) and w["train_frac"] == pytest.approx(0.75)
+    assert w["wait_frac"] == pytest.approx(0.25) and w["train_frac"] == pytest.approx(0.7)
+    assert w["publish_frac"] == pytest.approx(0.05)
+    assert (w["save_frac"], w["build_frac"], w["announce_frac"]) == pytest.approx((0.1, 0.3, 0.01))
+    assert w["published_frac"] == pytest.approx(3 / 7)  # published 1 -> 4 over updates 3..9
+    assert w["fwd_bwd_s_per_update"] == pytest.approx(1.2)
+    assert w["overhead_s_per_update"] == pytest.approx(2.0 - 0.5 - 1.2)  # wall - wait - fwd/bwd
     with pytest.raises(ValueError):
         swarm_window(rows[:3], warmup=2)
 

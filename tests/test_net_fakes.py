@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import msgpack
@@ -364,6 +365,33 @@ def test_the_sender_loop_drains_the_outbox_and_wakes_on_notify(swarm):
         assert sorted(swarm.accepted) == sorted(ids) and swarm.sender.failures == 0
         await swarm.net.aclose()
         assert task.cancelled()
+
+    run(go())
+
+
+def test_every_check_runs_in_the_intake_pool_while_the_loop_stays_free(swarm):
+    """A slow check (here: one that waits for the loop itself to answer) blocks neither the node's loop nor
+    the Ack path: it runs on an intake thread, and the Ack goes out only after it passed."""
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        seen: dict = {}
+
+        def admit(body, author):
+            answered = threading.Event()
+            loop.call_soon_threadsafe(answered.set)  # only a free loop can run this
+            seen["thread"] = threading.current_thread().name
+            seen["loop_answered"] = answered.wait(10)
+            seen["ledger_before"] = swarm.ledger.count()
+            return None
+
+        await swarm.start_learner(admit=admit)
+        bid, raw = _batch(swarm.sid)
+        assert await swarm.send((bid, raw)) == 1
+        assert seen == {"thread": seen["thread"], "loop_answered": True, "ledger_before": 0}
+        assert seen["thread"].startswith("intake") and swarm.ledger.seen(bid)
+        await swarm.net.aclose()
+        swarm.receiver.close()
 
     run(go())
 

@@ -14,7 +14,8 @@ completion length it measures, and prints as ratios:
 - ``rl``: RL steps per second of ``heterorl train --local`` (GRPO and GEPO with the hf backend, GRPO with
   vllm) against TRL's ``GRPOTrainer``;
 - ``swarm``: trajectories per second the learner of ``heterorl local`` consumes with 1 and 2 samplers,
-  against the single-process loop, and the fraction of learner time spent waiting for data.
+  against the single-process loop; the shares of the learner's wall time spent waiting for data, training,
+  and blocked by publishing (and the background publisher's own time per part).
 
 Everything on vLLM's engine runs in a child process (:mod:`heterorl.bench.throughput_micro`): the engine pins
 torch's threads process-wide. Rates are taken over a steady window (the first ``--warmup`` steps are
@@ -219,25 +220,39 @@ def _rl(args, model: str, out: Path) -> dict:
 
 
 def swarm_window(metrics: list[dict], warmup: int) -> dict:
-    """Trajectories/s and where the learner's time went over steps after ``warmup`` (learner metrics rows)."""
+    """Trajectories/s and where the learner's time went over steps after ``warmup`` (learner metrics rows).
+
+    ``publish_frac``: the share of wall time the training thread was blocked by publishing (the snapshot it
+    hands over; the rest runs on the publisher thread). ``save_frac``, ``build_frac``, ``announce_frac``: the
+    publisher thread's own time per part, as shares of wall time (in the background: they overlap training),
+    and ``publisher_cpu_frac`` the CPU time it took (what it takes from the other processes on the machine).
+    ``published_frac``: versions published over updates made (a publisher that falls behind skips versions).
+    ``overhead_s_per_update``: wall time per update neither waiting for data nor in forward and backward.
+    """
     if len(metrics) < warmup + 2:
         raise ValueError(f"need more than {warmup + 1} learner steps, got {len(metrics)}")
     a, rows = metrics[warmup], metrics[warmup + 1 :]
-    wall = rows[-1]["time"] - a["time"]
-    wait = rows[-1]["wait_s"] - a["wait_s"]
-    train = rows[-1]["train_s"] - a["train_s"]
-    publish = {
-        k.removeprefix("publish_").removesuffix("_s") + "_frac": (rows[-1][k] - a.get(k, 0.0)) / wall
-        for k in rows[-1]
-        if k.startswith("publish_") and k.endswith("_s")
-    }
+    last = rows[-1]
+    wall = last["time"] - a["time"]
+
+    fwd_bwd = sum(r.get("time/fwd_bwd_s", 0.0) for r in rows)
+
+    def share(key: str) -> float:
+        return (last.get(key, 0.0) - a.get(key, 0.0)) / wall
+
     return {
-        **publish,  # where checkpoint publishing time goes: save, build, announce
+        "publish_frac": share("publish_blocked_s"),
+        **{f"{part}_frac": share(f"publish_{part}_s") for part in ("save", "build", "announce")},
+        "publisher_cpu_frac": share("publish_cpu_s"),
+        "published_frac": (last.get("published", 0) - a.get("published", 0)) / len(rows),
         "trajectories_per_s": sum(r["rows"] for r in rows) / wall,
         "updates_per_s": len(rows) / wall,
-        "wait_frac": wait / wall,
-        "train_frac": train / wall,
+        "wait_frac": share("wait_s"),
+        "train_frac": share("train_s"),
         "staleness_mean": statistics.fmean(r["staleness/mean"] for r in rows),
+        # the learner's wall time per update outside waiting for data and outside forward and backward
+        "overhead_s_per_update": (wall - (last["wait_s"] - a["wait_s"]) - fwd_bwd) / len(rows),
+        "fwd_bwd_s_per_update": fwd_bwd / len(rows),
     }
 
 

@@ -82,9 +82,15 @@ def report(res: dict, args) -> str:
                 f"single; learner waits {w['wait_frac']:.0%}, trains {w['train_frac']:.0%}; "
                 f"staleness {w['staleness_mean']:.1f}"
             )
-            if "announce_frac" in w:
+            lines.append(
+                f"      publishing: training blocked {w['publish_frac']:.1%} of learner time; in the "
+                f"background: save {w['save_frac']:.0%}, build {w['build_frac']:.0%}, "
+                f"announce {w['announce_frac']:.0%} (CPU {w.get('publisher_cpu_frac', 0):.0%}); "
+                f"{w['published_frac']:.0%} of versions published"
+            )
+            if "overhead_s_per_update" in w:
                 lines.append(
-                    f"      publishing a checkpoint each update: save {w['save_frac']:.0%}, "
-                    f"build {w['build_frac']:.0%}, DHT announce {w['announce_frac']:.0%} of learner time"
+                    f"      per update: forward+backward {w['fwd_bwd_s_per_update'] * 1e3:.1f} ms, "
+                    f"everything else but waiting {w['overhead_s_per_update'] * 1e3:.1f} ms"
                 )
     return "\n".join(lines)

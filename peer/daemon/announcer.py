@@ -3,8 +3,8 @@
 Announcing a manifest (DHT stores of the manifest and the provider record) takes a network round or more;
 the learner must not wait for it between updates. Samplers only want the newest version, so a publish that
 comes while one announce is in flight replaces whatever was queued behind it. An announce that fails (the
-DHT refused or timed out) is kept, and :meth:`Announcer.retry_failed` tries it again while the learner idles,
-unless a newer version has been announced meanwhile.
+DHT refused or timed out) is kept, and :meth:`Announcer.retry_failed` tries it again while the publisher
+idles, unless a newer version has been announced meanwhile.
 """
 
 from __future__ import annotations
@@ -49,6 +49,11 @@ class Announcer:
             self._failed = None
             self._start(*failed)
             return True
+
+    def has_failed(self) -> bool:
+        """Whether an announce failed and waits to be tried again (:meth:`retry_failed`)."""
+        with self._lock:
+            return self._failed is not None
 
     def idle(self) -> bool:
         with self._lock:

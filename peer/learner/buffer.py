@@ -28,6 +28,7 @@ class TrajectoryBuffer:
         self.capacity = capacity
         self._items: collections.deque[Buffered] = collections.deque()
         self._cond = threading.Condition()
+        self._closed = False
 
     def has_room(self) -> bool:
         with self._cond:
@@ -39,10 +40,14 @@ class TrajectoryBuffer:
             self._items.append(item)
             self._cond.notify_all()
 
-    def take_groups(self, groups: int, timeout: float) -> list[Buffered] | None:
-        """The oldest batches holding at least ``groups`` prompt groups, or None if not there in time."""
+    def take_groups(self, groups: int, timeout: float | None = None) -> list[Buffered] | None:
+        """The oldest batches holding at least ``groups`` prompt groups; None if not there in time
+        (``timeout`` None: wait until they are) or once the buffer is closed."""
         with self._cond:
-            if not self._cond.wait_for(lambda: sum(b.groups for b in self._items) >= groups, timeout):
+            ready = self._cond.wait_for(
+                lambda: self._closed or sum(b.groups for b in self._items) >= groups, timeout
+            )
+            if not ready or self._closed:
                 return None
             out, n = [], 0
             while n < groups:
@@ -50,6 +55,12 @@ class TrajectoryBuffer:
                 out.append(b)
                 n += b.groups
             return out
+
+    def close(self) -> None:
+        """Wake every waiting taker with None; nothing is taken from now on (the ledger keeps the rest)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def __len__(self) -> int:
         with self._cond:

@@ -1,4 +1,9 @@
-"""The learner's own check of a sampler's batch: re-score every completion from its text.
+"""The learner's checks of a sampler's batch before it is accepted: :class:`Admission` runs them in order,
+cheapest first, and the first refusal wins; :class:`RewardCheck` re-scores every completion from its text.
+
+The receiver has already decoded the batch and checked its signature, schema and run (protocol/net); what runs
+here is the learner's own judgement, in the intake pool, before the ledger write and the Ack. A new check (a
+verifier of behaviour log-probs, a rate limit per author) is one more entry in the list.
 
 A sampler's reward is a claim. The learner decodes each row's prompt (strictly: ids that
 ``PromptFormat.encode`` would not make from some text are foreign) and completion with the run's tokenizer,
@@ -10,12 +15,36 @@ counted against its author by the receiver). The claimed rewards are kept only a
 from __future__ import annotations
 
 import collections
+import threading
+from collections.abc import Callable, Sequence
 
 from ..model.prompts import PromptFormat
 from ..model.text import completion_text
 from ..tasks import Task
 
 REWARD_TOLERANCE = 1e-6
+
+Check = Callable[[dict, bytes], str | None]
+"""A check of a decoded batch body and its author: None to pass, or the reason to refuse."""
+
+
+class Admission:
+    """``admission(body, author) -> None | reason``: ``checks`` in order (name, check), the first refusal
+    wins; plugs into ``TrajectoryReceiver(admit=...)``. ``refused`` counts refusals by check name."""
+
+    def __init__(self, checks: Sequence[tuple[str, Check]]):
+        self.checks = list(checks)
+        self.refused: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()  # called from the intake pool's threads
+
+    def __call__(self, body: dict, author: bytes) -> str | None:
+        for name, check in self.checks:
+            reason = check(body, author)
+            if reason is not None:
+                with self._lock:
+                    self.refused[name] += 1
+                return reason
+        return None
 
 
 class RewardCheck:
@@ -29,6 +58,7 @@ class RewardCheck:
         self.rows_checked = 0
         self.rows_disagreeing = 0
         self.by_author: collections.Counter[bytes] = collections.Counter()
+        self._lock = threading.Lock()  # called from the intake pool's threads
 
     def rescore(self, body: dict) -> list[float | None]:
         """The learner's reward for each row, or None where the prompt is not one of this task's."""
@@ -46,17 +76,22 @@ class RewardCheck:
 
     def __call__(self, body: dict, author: bytes) -> str | None:
         rewards = self.rescore(body)
-        self.rows_checked += len(rewards)
         foreign = sum(r is None for r in rewards)
-        if foreign:
-            self.by_author[author] += 1
-            return f"{foreign} of {len(rewards)} prompts are not from this run's task"
-        wrong = sum(
-            abs(r - row["reward"]) > self.tolerance for r, row in zip(rewards, body["rows"], strict=True)
+        wrong = (
+            0
+            if foreign
+            else sum(
+                abs(r - row["reward"]) > self.tolerance for r, row in zip(rewards, body["rows"], strict=True)
+            )
         )
-        if wrong:
+        with self._lock:
+            self.rows_checked += len(rewards)
             self.rows_disagreeing += wrong
-            self.by_author[author] += 1
+            if foreign or wrong:
+                self.by_author[author] += 1
+        if foreign:
+            return f"{foreign} of {len(rewards)} prompts are not from this run's task"
+        if wrong:
             return (
                 f"claimed rewards disagree with the learner's recomputation in {wrong} of {len(rewards)} rows"
             )

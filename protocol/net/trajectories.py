@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -52,11 +54,18 @@ class LearnerAddress:
     maddrs: tuple[str, ...]
 
 
+DEFAULT_INTAKE_WORKERS = 2
+
+
 class TrajectoryReceiver:
     """Learner side: validate, dedupe, log durably, then acknowledge.
 
-    ``admit`` runs the learner's own checks (reward recomputation); ``on_accept(body, author, raw)`` hands an
-    accepted batch to the training buffer; ``has_room()`` says whether the buffer has room (flow control).
+    Every frame is checked in a bounded pool of ``workers`` threads, never on the node's event loop (a batch
+    is up to 16 MiB of msgpack to decode, a signature to verify, and the learner's own checks): decode,
+    signature, schema and run, dedupe against the ledger, flow control, then ``admit`` (the learner's
+    checks, cheapest first), and only then the ledger write and ``on_accept``; the Ack goes out after all of
+    them. ``on_accept(body, author, raw)`` hands an accepted batch to the training buffer; ``has_room()``
+    says whether the buffer has room (flow control).
     """
 
     def __init__(
@@ -71,10 +80,15 @@ class TrajectoryReceiver:
         has_room: Callable[[], bool] = lambda: True,
         retry_after_s: float = DEFAULT_RETRY_AFTER_S,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        workers: int = DEFAULT_INTAKE_WORKERS,
     ):
         self.identity, self.run_id, self.ledger = identity, run_id, ledger
         self.vocab_size, self.admit, self.on_accept, self.has_room = vocab_size, admit, on_accept, has_room
         self.retry_after_s, self.max_message_bytes = retry_after_s, max_message_bytes
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="intake")
+        self._lock = threading.Lock()  # the counters below are written from the pool's threads
         self.accepted = 0
         self.duplicates = 0
         self.deferred = 0
@@ -85,7 +99,12 @@ class TrajectoryReceiver:
     async def attach(self, node: Node) -> None:
         await node.add_handler(PROTOCOL, self.handle)
 
+    def close(self) -> None:
+        """Stop the intake pool (after the node closed: no handler hands it frames any more)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
     async def handle(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 frame = await read_frame(reader, self.max_message_bytes, STREAM_IDLE_S)
@@ -96,41 +115,46 @@ class TrajectoryReceiver:
                 if e.kind == "oversized":  # cannot resynchronise after an unread payload
                     await write_frame(writer, self._reply(b"", f"refused: {e}", 0.0))
                 return
-            self.bytes_received += len(frame)
-            await write_frame(writer, await self._process(remote, frame))
+            with self._lock:
+                self.bytes_received += len(frame)
+            reply = await loop.run_in_executor(self._pool, self.process, remote, frame)
+            await write_frame(writer, reply)
 
-    async def _process(self, remote: str, frame: bytes) -> bytes:
+    def process(self, remote: str, frame: bytes) -> bytes:
+        """Every check of one frame, the ledger write and the hand-over; the signed reply (any thread)."""
         try:
             _, body, author = decode(frame, "TrajectoryBatch", run_id=self.run_id, vocab_size=self.vocab_size)
         except ProtocolError as e:
             self._refuse(f"peer:{remote}", "malformed", e)
             return self._reply(b"", f"refused: {e}", 0.0)
         batch_id = body["batch_id"]
-        if await asyncio.to_thread(self.ledger.seen, batch_id):
-            self.duplicates += 1
+        if self.ledger.seen(batch_id):
+            self._count("duplicates")
             return self._reply(batch_id, None)
         if not self.has_room():
-            self.deferred += 1
+            self._count("deferred")
             return self._reply(batch_id, "buffer full", self.retry_after_s)
         if self.admit is not None:
-            reason = await asyncio.to_thread(self.admit, body, author)
+            reason = self.admit(body, author)
             if reason is not None:
                 self._refuse(author.hex(), "admit", reason)
                 return self._reply(batch_id, f"refused: {reason}", 0.0)
-        fresh = await asyncio.to_thread(
-            self.ledger.accept, batch_id, author, body["policy_version"], frame, time.time()
-        )
-        if fresh:
-            self.accepted += 1
+        if self.ledger.accept(batch_id, author, body["policy_version"], frame, time.time()):
+            self._count("accepted")
             if self.on_accept is not None:
                 self.on_accept(body, author, frame)
         else:
-            self.duplicates += 1
+            self._count("duplicates")
         return self._reply(batch_id, None)
 
+    def _count(self, what: str) -> None:
+        with self._lock:
+            setattr(self, what, getattr(self, what) + 1)
+
     def _refuse(self, who: str, category: str, reason: object) -> None:
-        self.rejected[category] += 1
-        self.strikes[who] += 1
+        with self._lock:
+            self.rejected[category] += 1
+            self.strikes[who] += 1
         log.warning("refused a trajectory batch from %s: %s", who[:16], reason)
 
     def _reply(self, batch_id: bytes, reason: str | None, retry_after_s: float = 0.0) -> bytes:

@@ -1,0 +1,202 @@
+"""The learner's publisher: every step of making a version public, on its own thread, off the training path.
+
+The training thread hands over a :class:`~heterorl.peer.learner.trainer.Snapshot` (copies made between two
+updates) and goes on training. The publisher thread then, in this order:
+
+1. saves the learner's state from the snapshot (atomic, fsynced) and prunes the ledger up to that step, so
+   a restart resumes from here; this comes first because a version must never be public ahead of the state
+   it came from (a restart from an older save would train that version number again, differently);
+2. serialises the weights (already rounded to the checkpoint dtype), cuts them into content-addressed chunks,
+   and diffs them against up to ``learner.deltas`` earlier versions it still holds (sparse deltas);
+3. signs the manifest, stores chunks and manifest in the chunk store (which serves them), and hands the
+   manifest to the :class:`~.announcer.Announcer` (the DHT announce runs on the node's loop).
+
+It holds one version at a time: :meth:`Publisher.offer` takes a snapshot only while the publisher is free, so
+a learner that updates faster than it can publish skips versions and publishes the newest one next (samplers
+want the newest anyway), and no snapshot is copied only to be dropped. While idle it retries an announce the
+DHT refused.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from heterorl.protocol import ProtocolError, encode
+from heterorl.protocol.storage.ledger import AcceptedLog
+from heterorl.protocol.storage.store import ChunkStore
+from heterorl.protocol.wire.checkpoint import (
+    add_delta,
+    manifest_body,
+    referenced_hashes,
+    serialize_state_dict,
+)
+from heterorl.protocol.wire.delta import CODEC as DELTA_CODEC
+from heterorl.protocol.wire.delta import encode_delta
+from heterorl.protocol.wire.identity import Identity
+
+from ..learner.trainer import Snapshot, Trainer
+from .announcer import Announcer
+
+log = logging.getLogger(__name__)
+
+RETRY_ANNOUNCE_S = 5.0  # while idle, an announce the DHT refused is tried again this often
+
+
+class Publisher:
+    """Publishes snapshots of the learner's versions on the thread that runs :meth:`run`."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        identity: Identity,
+        store: ChunkStore,
+        ledger: AcceptedLog,
+        announcer: Announcer,
+        state_root: Path,
+        checkpoint_dtype: str,
+        deltas: int,
+    ):
+        self.run_id, self.identity, self.store, self.ledger = run_id, identity, store, ledger
+        self.announcer, self.state_root = announcer, state_root
+        self.checkpoint_dtype, self.deltas = checkpoint_dtype, deltas
+        self._cond = threading.Condition()
+        self._pending: Snapshot | None = None
+        self._working = False
+        self._closed = False
+        self._recent: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=max(1, deltas))
+        self.published_version = -1  # the newest version in the store, signed (set before its announce)
+        self.published = 0
+        # cumulative seconds: wall in save / build / announce, and this thread's CPU time over all three
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.delta_bytes = self.full_bytes = 0  # of the versions published with a delta
+
+    # ---- the training thread's side ----
+
+    def offer(self, make: Callable[[], Snapshot]) -> bool:
+        """If the publisher is free: ``make()`` a snapshot (on the caller's thread, now) and publish it in
+        the background; True. False while it is busy with an earlier version (offer again later)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the publisher is closed")
+            if self._working or self._pending is not None:
+                return False
+            self._pending = make()
+            self._cond.notify_all()
+            return True
+
+    def publish_now(self, snapshot: Snapshot) -> None:
+        """Publish ``snapshot`` on the caller's thread, once the background one is done (start and leave)."""
+        self.wait_idle()
+        with self._cond:
+            self._working = True
+        try:
+            self._publish(snapshot)
+        finally:
+            with self._cond:
+                self._working = False
+                self._cond.notify_all()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._working and self._pending is None
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until nothing is pending or being published; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._working and self._pending is None, timeout)
+
+    def close(self) -> None:
+        """End :meth:`run` once the version in hand is published (a pending one is still published)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # ---- the publisher thread ----
+
+    def run(self) -> None:
+        """Publish what is offered until closed (the thread's body); an error here stops the learner."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._closed, self._retry_in())
+                snapshot, self._pending = self._pending, None
+                if snapshot is None and self._closed:
+                    return
+                self._working = snapshot is not None
+            if snapshot is None:
+                self.announcer.retry_failed(self.published_version)
+                continue
+            try:
+                self._publish(snapshot)
+            finally:
+                with self._cond:
+                    self._working = False
+                    self._cond.notify_all()
+
+    def _retry_in(self) -> float | None:
+        return RETRY_ANNOUNCE_S if self.announcer.has_failed() else None
+
+    def _publish(self, snap: Snapshot) -> None:
+        cpu, t0 = time.thread_time(), time.perf_counter()
+        if snap.model_state is not None:
+            Trainer.save(self.state_root, snap, {"run_id": self.run_id})
+            self.ledger.prune_applied(snap.version)  # a restart resumes here: older payloads never replay
+        t1 = time.perf_counter()
+        v = snap.version
+        raw, body = self.store.manifest(v), self.store.body(v)
+        data = serialize_state_dict(snap.weights)
+        if raw is None or body is None:
+            older = [x for x in self.store.versions() if x < v]
+            parent = self.published_version if self.published_version >= 0 else max(older, default=-1)
+            body, chunks = manifest_body(self.run_id, v, parent, data, self.checkpoint_dtype)
+            if self.deltas:
+                chunks += self._deltas(body, older, data)
+            for h, c in zip(referenced_hashes(body), chunks, strict=True):
+                self.store.put(h, c)
+            raw = encode("CheckpointManifest", body, self.identity)
+        # else: built before a restart from these same saved weights; announce it again
+        self._recent.append((v, data))
+        t2 = time.perf_counter()
+        self.store.add_manifest(raw, body)
+        self.published_version = v
+        self.published += 1
+        self.announcer.announce(raw, body)  # on the node's loop: the DHT round trips do not wait here
+        t3 = time.perf_counter()
+        self.seconds.update(
+            {"save": t1 - t0, "build": t2 - t1, "announce": t3 - t2, "cpu": time.thread_time() - cpu}
+        )
+
+    def _deltas(self, body: dict, older: list[int], data: bytes) -> list[bytes]:
+        """Offer version ``body`` also as sparse deltas against each of the ``deltas`` most recent ``older``
+        published versions, so a peer up to that many versions behind still fetches one delta; returns their
+        chunks. A base gone from the store, or a delta that would not save half the bytes, is skipped."""
+        newest_first = sorted(older, reverse=True)
+        held = dict(self._recent)  # bases published by this process: no need to read them back
+        chunks: list[bytes] = []
+        for base in newest_first[: self.deltas]:
+            try:
+                delta = encode_delta(held[base] if base in held else self.store.assemble(base), data)
+            except (KeyError, ProtocolError) as e:  # evicted, or another layout: no delta from it
+                log.info("version %d: no delta against version %d: %s", body["version"], base, e)
+                continue
+            if len(delta) > len(data) // 2:
+                continue
+            if base == newest_first[0]:
+                self.delta_bytes += len(delta)
+                self.full_bytes += len(data)
+            chunks += add_delta(body, base, delta, DELTA_CODEC)
+        return chunks
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative figures for the learner's metrics rows."""
+        return {
+            **{f"publish_{k}_s": v for k, v in self.seconds.items()},
+            "published_version": self.published_version,
+            "published": self.published,
+            "delta_ratio": self.delta_bytes / self.full_bytes if self.full_bytes else None,
+        }
