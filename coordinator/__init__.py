@@ -1,3 +1,3 @@
-"""Run hosting: RunSpec signing, DHT bootstrap, swarm view, dashboard (see DESIGN.md)."""
+"""Run hosting: RunSpec signing, DHT bootstrap, swarm view, dashboard (see docs/architecture.md)."""
 
 __all__: list[str] = []

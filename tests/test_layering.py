@@ -1,4 +1,4 @@
-"""The import direction that the layout promises, checked on the source (README, "Layout").
+"""The import direction that the layout promises, checked on the source (docs/architecture.md, "Layering").
 
 protocol (wire, net, storage, settings) is the bottom layer; peer and coordinator stand on it side by side and
 never import each other; heterorl's CLI and tools (cli, local swarm, bench, sim, testing) are on top, and

@@ -1,1 +1,1 @@
-"""Test helpers shipped with the package (STYLE.md §15): network peer processes for tests and benchmarks."""
+"""Test helpers shipped with the package: network peer processes for tests and benchmarks."""

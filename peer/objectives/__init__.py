@@ -8,11 +8,11 @@
     advantages [B] (or [B,T] where a method allows per-token advantages)
     group_ids [B]  rows with the same id answer the same prompt
 
-Every objective = importance weight × surrogate × aggregation (STYLE §3); ``stats`` carries
+Every objective = importance weight × surrogate × aggregation; ``stats`` carries
 IS-weight mean/var/max, ESS, clip fraction and KL(q‖p) estimates. No I/O, no model.
 Any objective takes truncated importance sampling against the inference/training mismatch
 (``tis_cap``, ``tis_logp``, ``tis_rows``; Yao et al. 2025, see :mod:`.tis`), applied here, once.
-Formulas, defaults and test vectors: shared/objectives-spec.md.
+Formulas, papers, defaults and pitfalls: docs/objectives.md; test vectors: tests/test_objectives_vectors.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Token-level PPO-clip objectives: GRPO, DAPO, Dr. GRPO.
 
-One surrogate, three defaults (STYLE §3: GRPO is DAPO with a symmetric clip):
+One surrogate, three defaults (GRPO is DAPO with a symmetric clip):
 token ratio ρ = exp(log p − log q), objective min(ρA, clip(ρ, 1−ε_lo, 1+ε_hi)A), then the
 method's aggregation. No reference-model KL term: β = 0, as in DAPO, Dr. GRPO and HeteroRL runs.
 """

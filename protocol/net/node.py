@@ -12,7 +12,7 @@ chunk server keeps serving. A :class:`Node` has two halves:
   (:attr:`Node.maddrs`, cached at start). The blocking entries (``call``, ``close``) raise RuntimeError when
   called from the loop's own thread, where they would wait for themselves forever.
 
-Layering (STYLE.md §5): hivemind P2P streams → :mod:`protocol.net.framing` → typed services
+Layering: hivemind P2P streams → :mod:`protocol.net.framing` → typed services
 (:mod:`protocol.net.chunks`, :mod:`protocol.net.trajectories`) → peer logic in ``heterorl.peer``.
 """
 
