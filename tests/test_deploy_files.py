@@ -31,7 +31,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 SCRIPTS = sorted(DEPLOY.glob("*.sh"))
-TOP_COMMANDS = ("coordinator", "peer", "status", "local", "keys", "model", "train", "bench")
+TOP_COMMANDS = ("coordinator", "peer", "status", "local", "keys", "model", "train", "bench", "simulate")
 NESTED = ("keys", "model", "bench")  # commands whose first word is a subcommand
 FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 IMAGE_DEPLOY_DIR = "/opt/heterorl/deploy/"

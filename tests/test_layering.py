@@ -22,7 +22,7 @@ PACKAGE_DIRS = {
     "peer": "heterorl.peer",
     "coordinator": "heterorl.coordinator",
 }
-TOOLS = ("heterorl.cli", "heterorl.local", "heterorl.bench", "heterorl.sim", "heterorl.testing")
+TOOLS = ("heterorl.cli", "heterorl.localswarm", "heterorl.bench", "heterorl.sim", "heterorl.testing")
 FORBIDDEN = {
     "heterorl.protocol": ("heterorl.peer", "heterorl.coordinator", *TOOLS),
     "heterorl.peer": ("heterorl.coordinator", *TOOLS),
