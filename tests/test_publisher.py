@@ -188,3 +188,23 @@ def test_a_publish_that_fails_ends_the_thread_with_its_error(tmp_path):
     assert not rig.thread.is_alive() and isinstance(rig.errors[0], OSError)
     assert rig.pub.idle() and rig.pub.published_version == -1 and rig.store.versions() == []
     rig.close()
+
+
+def test_an_idle_publisher_announces_the_newest_version_again_before_its_records_expire(
+    tmp_path, monkeypatch
+):
+    from heterorl.peer.daemon import publisher
+
+    monkeypatch.setattr(publisher, "REANNOUNCE_S", 0.05)
+    rig = Rig(tmp_path)
+    try:
+        rig.update()
+        assert rig.offer() and rig.pub.wait_idle(10)
+        done = threading.Event()
+        for _ in range(400):  # nothing new is offered: the same version is announced again, and again
+            if rig.starts.versions.count(1) >= 3:
+                break
+            done.wait(0.05)
+        assert set(rig.starts.versions) == {1} and len(rig.starts.versions) >= 3
+    finally:
+        rig.close()

@@ -14,7 +14,7 @@ updates) and goes on training. The publisher thread then, in this order:
 It holds one version at a time: :meth:`Publisher.offer` takes a snapshot only while the publisher is free, so
 a learner that updates faster than it can publish skips versions and publishes the newest one next (samplers
 want the newest anyway), and no snapshot is copied only to be dropped. While idle it retries an announce the
-DHT refused.
+DHT refused, and announces the newest version again before its DHT records expire.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ from .announcer import Announcer
 log = logging.getLogger(__name__)
 
 RETRY_ANNOUNCE_S = 5.0  # while idle, an announce the DHT refused is tried again this often
+# while idle, the newest version is announced again this often: its provider record lives an hour in the
+# DHT (protocol/net/dht.py MAX_TTL_S), and a newcomer to a run whose learner paused must still find it
+REANNOUNCE_S = 1200.0
 
 
 class Publisher:
@@ -71,6 +74,7 @@ class Publisher:
         self._closed = False
         self._recent: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=max(1, deltas))
         self.published_version = -1  # the newest version in the store, signed (set before its announce)
+        self._announced_at = 0.0  # monotonic time of its last announce
         self.published = 0
         # cumulative seconds: wall in save / build / announce, and this thread's CPU time over all three
         self.seconds: collections.Counter[str] = collections.Counter()
@@ -129,7 +133,7 @@ class Publisher:
                     return
                 self._working = snapshot is not None
             if snapshot is None:
-                self.announcer.retry_failed(self.published_version)
+                self._refresh()
                 continue
             try:
                 self._publish(snapshot)
@@ -139,7 +143,22 @@ class Publisher:
                     self._cond.notify_all()
 
     def _retry_in(self) -> float | None:
-        return RETRY_ANNOUNCE_S if self.announcer.has_failed() else None
+        if self.announcer.has_failed():
+            return RETRY_ANNOUNCE_S
+        if self.published_version < 0:
+            return None
+        return max(0.0, self._announced_at + REANNOUNCE_S - time.monotonic())
+
+    def _refresh(self) -> None:
+        """While idle: retry a refused announce, or announce the newest version again when it is due."""
+        v = self.published_version
+        if self.announcer.has_failed():
+            self.announcer.retry_failed(v)
+        elif v >= 0 and time.monotonic() - self._announced_at >= REANNOUNCE_S:
+            raw, body = self.store.manifest(v), self.store.body(v)
+            if raw is not None and body is not None:
+                self.announcer.announce(raw, body)
+            self._announced_at = time.monotonic()
 
     def _publish(self, snap: Snapshot) -> None:
         cpu, t0 = time.thread_time(), time.perf_counter()
@@ -166,6 +185,7 @@ class Publisher:
         self.published_version = v
         self.published += 1
         self.announcer.announce(raw, body)  # on the node's loop: the DHT round trips do not wait here
+        self._announced_at = time.monotonic()
         t3 = time.perf_counter()
         self.seconds.update(
             {"save": t1 - t0, "build": t2 - t1, "announce": t3 - t2, "cpu": time.thread_time() - cpu}
