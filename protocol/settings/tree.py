@@ -2,11 +2,12 @@
 
 A settings tree is a frozen dataclass whose fields are settings (:func:`~.base.setting`) or sections
 (another such dataclass, or ``Section | None`` for one that may be absent, e.g. ``[adapter]``).
-:func:`from_dict` reads a tree from nested mappings (parsed TOML or JSON): it checks every value's type against the field's annotation,
-names the setting in every error, refuses unknown keys (or, for data from a newer peer, returns them as
-ignored), and lets each class check its own values in ``__post_init__``. :func:`to_dict` writes a tree back as
-plain data. A command-line override is a dotted path and a value (``learner.publish_every=2``), set into the
-data before it is parsed (:func:`apply_overrides`), so a flag and a TOML key are parsed by the same code.
+:func:`from_dict` reads a tree from nested mappings (parsed TOML or JSON): it checks every value's type
+against the field's annotation, names the setting in every error, refuses unknown keys (or, for data from a
+newer peer, returns them as ignored), and lets each class check its own values in ``__post_init__``.
+:func:`to_dict` writes a tree back as plain data. A command-line override is a dotted path and a value
+(``learner.publish_every=2``), set into the data before it is parsed (:func:`apply_overrides`), so a flag and
+a TOML key are parsed by the same code.
 """
 
 from __future__ import annotations
