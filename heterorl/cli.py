@@ -240,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
             "heterorl.sim.cli",
             "discrete-event model of a run with thousands of volunteer samplers",
         ),
+        ("export", "heterorl.export", "a run's trained weights as a Hugging Face model directory"),
     ):
         doc = (_module(module).__doc__ or text).strip()
         rp = sub.add_parser(
