@@ -36,7 +36,8 @@ CHECKPOINT_DTYPES = ("float32", "bfloat16")
 
 def checkpoint_state(model: torch.nn.Module, dtype: str = "float32") -> dict[str, torch.Tensor]:
     """The model's state as a checkpoint carries it, on the model's device: floating tensors cast to ``dtype``
-    (what samplers run: the learner trains a float32 master copy and publishes its rounding)."""
+    (what samplers run: the learner trains a float32 master copy and publishes its rounding). Tensors already
+    in ``dtype`` are the model's own, not copies: clone them to keep a version (a parent for device_delta)."""
     if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"checkpoint dtype must be one of {', '.join(CHECKPOINT_DTYPES)}, got {dtype!r}")
     target = getattr(torch, dtype)
