@@ -40,8 +40,8 @@ def word_changes(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, np.n
     b = new.detach().contiguous().view(_BITS[word]).reshape(-1)
     idx = torch.nonzero(a != b).reshape(-1)  # row-major, ascending
     if word == 8:
-        lo, hi = (x[idx].cpu().numpy().view(np.uint64) for x in (a, b))
-        return idx.cpu().numpy(), hi - lo
+        was, now = (x[idx].cpu().numpy().view(np.uint64) for x in (a, b))
+        return idx.cpu().numpy(), now - was
     wide = _WIDE[word]
     diff = (b[idx].to(wide) - a[idx].to(wide)) & ((1 << 8 * word) - 1)
     return idx.cpu().numpy(), diff.cpu().numpy().astype(_UINT[word])
