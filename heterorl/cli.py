@@ -8,6 +8,12 @@ import sys
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = "runs/tiny-model"  # = heterorl.peer.model.TINY_MODEL_DIR (kept torch-free here)
+DEVICE_FLAG = dict(
+    choices=("auto", "cpu", "cuda"),
+    default="auto",
+    help="where the policy trains and the hf backend generates: auto (default: the GPU when there is one), "
+    "cpu, or cuda (fails if torch sees no CUDA GPU); vLLM keeps its own device",
+)
 
 
 def _model_init(args: argparse.Namespace) -> int:
@@ -46,11 +52,13 @@ def _train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from heterorl.peer.daemon.hardware import detect
     from heterorl.peer.model import ensure_model
     from heterorl.peer.train import OneProcessConfig, run_one_process
     from heterorl.protocol.settings import parse_adapter_flag
 
     try:
+        device = detect(args.device).device
         obj_params = json.loads(args.objective_params) if args.objective_params else {}
         cfg = OneProcessConfig(
             model=ensure_model(args.model, args.seed),
@@ -75,8 +83,9 @@ def _train(args: argparse.Namespace) -> int:
             gradient_checkpointing=args.gradient_checkpointing,
             objective_params=obj_params,
             adapter=parse_adapter_flag(args.adapter) if args.adapter else None,
+            device=device,
         )
-    except (ValueError, json.JSONDecodeError) as e:
+    except (ValueError, RuntimeError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary = run_one_process(cfg, args.out)
@@ -204,9 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-dtype",
         choices=CHECKPOINT_DTYPES,
         default="float32",
-        help="the rollout engine's dtype (the learner stays float32 on CPU): bfloat16 shows the "
+        help="the rollout engine's dtype (the learner keeps a float32 master): bfloat16 shows the "
         "inference/training mismatch",
     )
+    tr.add_argument("--device", **DEVICE_FLAG)
     add_flag(tr, RunConfig, "chat", choices=CHAT_MODES)
     add_flag(tr, LearnerSettings, "tis_cap", type=float)
     add_flag(tr, LearnerSettings, "micro_batch_tokens", type=int)
@@ -230,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
             "heterorl.sim.cli",
             "discrete-event model of a run with thousands of volunteer samplers",
         ),
+        ("export", "heterorl.export", "a run's trained weights as a Hugging Face model directory"),
     ):
         doc = (_module(module).__doc__ or text).strip()
         rp = sub.add_parser(

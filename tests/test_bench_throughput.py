@@ -69,6 +69,16 @@ def test_a_real_model_gets_its_own_defaults_and_set_flags_win():
     assert tiny.parts == ["rollout", "switch", "learner", "rl", "swarm"] and tiny.steps == 40
     assert real.parts == ["rl"] and real.steps == 9 and real.max_new_tokens == 32 and real.repeats == 3
     assert "--micro-batch-tokens" in ap.format_help() and "--no-vllm" in ap.format_help()
+    assert "--device {auto,cpu,cuda}" in ap.format_help() and tiny.device == "auto"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here: --device cuda would use it")
+def test_device_cuda_without_a_gpu_is_refused_before_any_work(tmp_path):
+    cmd = [sys.executable, "-m", "heterorl.cli", "bench", "throughput", "--device", "cuda"]
+    cmd += ["--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--device cuda asked for, but torch sees no CUDA GPU" in done.stderr
+    assert not (tmp_path / "results.json").exists()
 
 
 def test_report_marks_sides_not_measured():
@@ -113,9 +123,11 @@ def test_in_process_parts_run_and_report_ratios(tmp_path, tiny_model_dir):
         "1",
     ]
     cmd += ["--repeats", "2", "--out", str(out), "--profile", "--no-vllm", "--threads", "1"]
+    cmd += ["--device", "cpu"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
+    assert res["device"] == "cpu" and res["args"]["device"] == "cpu"
     for part, key in (
         ("rl", "ratio_ours_grpo_vs_trl"),
         ("rl", "ratio_ours_gepo_vs_trl"),

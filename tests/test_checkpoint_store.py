@@ -289,6 +289,29 @@ def test_restart_sees_everything_and_cleans_crash_leftovers(tmp_path):
     _assert_same(deserialize_state_dict(again.assemble(1)), state)
 
 
+def test_a_read_only_store_reads_beside_its_writer_and_changes_nothing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no chunk store"):
+        ChunkStore(tmp_path / "none", max_bytes=1, read_only=True)
+    assert not (tmp_path / "none").exists()
+    writer = ChunkStore(tmp_path, max_bytes=1 << 30)
+    state = _state()
+    body = _publish(writer, state, 1)
+    h = body["chunk_hashes"][0]
+    in_flight = [_chunk_file(writer, h).parent / ".tmp-abc123", tmp_path / "manifests" / ".tmp-xyz"]
+    for p in in_flight:  # the writer's temp files, mid-write
+        p.write_bytes(b"half-written")
+    files = sorted(p for p in tmp_path.rglob("*"))
+    reader = ChunkStore(tmp_path, max_bytes=1, read_only=True)  # over its cap, too
+    _assert_same(deserialize_state_dict(reader.assemble(1)), state)
+    path = _chunk_file(writer, body["chunk_hashes"][1])
+    path.write_bytes(b"\x00" + path.read_bytes()[1:])
+    assert reader.get(body["chunk_hashes"][1]) is None and path.exists()  # corrupt: refused, left there
+    for write in (lambda: reader.put(h, b"x"), lambda: reader.add_manifest(b"", body), reader.evict):
+        with pytest.raises(PermissionError, match="read-only"):
+            write()
+    assert sorted(p for p in tmp_path.rglob("*")) == files and all(p.exists() for p in in_flight)
+
+
 def test_eviction_keeps_newest_versions_and_their_chunks(tmp_path):
     store = ChunkStore(tmp_path, max_bytes=1)  # always over the cap: keep only the newest two
     state = _state()

@@ -60,6 +60,8 @@ def test_bad_config_is_rejected():
         OneProcessConfig(model="x", delay=-1)
     with pytest.raises(ValueError, match="grad_clip"):  # checked as run.toml's [learner] is
         OneProcessConfig(model="x", grad_clip=0)
+    with pytest.raises(ValueError, match="device must be cpu or cuda"):
+        OneProcessConfig(model="x", device="auto")  # the CLI resolves auto; the loop takes a device
 
 
 def test_the_loop_defaults_to_a_runs_settings_and_updates_as_the_learner_does():
@@ -92,6 +94,42 @@ def test_cli_help_and_errors(tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "error" in bad.stderr
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "heterorl", "train", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_cli_train_takes_a_device_and_records_it(tmp_path, tiny_model_dir):
+    assert "--device {auto,cpu,cuda}" in _train("--help").stdout
+    out = tmp_path / "run"
+    args = ["--local", "--device", "cpu", "--model", str(tiny_model_dir), "--out", str(out), "--steps", "2"]
+    done = _train(*args, "--prompts", "2", "--group-size", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["device"] == "cpu" and summary["config"]["device"] == "cpu"
+    assert "hf generate, float32, cpu" in done.stderr  # the rollouts ran there too
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here: --device cuda would train on it")
+def test_cli_train_on_cuda_without_a_gpu_says_so(tmp_path):
+    done = _train("--local", "--device", "cuda", "--model", str(tmp_path), "--out", str(tmp_path / "run"))
+    assert done.returncode == 2 and "--device cuda asked for, but torch sees no CUDA GPU" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_the_loop_trains_and_samples_on_cuda(tiny_model_dir, tmp_path):
+    cfg = OneProcessConfig(
+        model=str(tiny_model_dir), steps=3, prompts_per_step=2, group_size=4, device="cuda"
+    )
+    seen = []
+    summary = run_one_process(
+        cfg, tmp_path, progress=False, on_update=lambda _s, policy, _st: seen.append(policy.device.type)
+    )
+    assert summary["device"] == "cuda" and set(seen) == {"cuda"} and len(summary["reward_curve"]) == 3
 
 
 def test_every_package_folder_is_installed():

@@ -8,7 +8,8 @@ initialisation (HF's, std 0.02): SmolLM2-135M's and a Qwen2-1.5B-sized LLaMA. Pe
 - real AdamW updates (GEPO on rollouts the model samples itself, random 0/1 rewards: a real policy gradient of
   the right shape) at RL learning rates: seconds and peak memory per update, then per version the fraction of
   bf16 words that changed, the sparse delta's size against the full bf16 checkpoint, encode and apply seconds
-  (the codec runs on the CPU) and a bit-exact rebuild.
+  (the codec runs on the CPU), the same delta found on the GPU (``device_delta``: seconds, same bytes) and a
+  bit-exact rebuild.
 
 Random initialisation is not a trained model: trained weights spread wider, so a step of the same size
 flips fewer bf16 roundings; read the ratios as the shape of the curve, and ``heterorl bench weights`` (real
@@ -18,6 +19,7 @@ SmolLM2 weights) as the measured figure.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 
@@ -136,12 +138,15 @@ def _sync() -> None:
 
 
 def deltas(model, lr: float, updates: int, rollout_shape: tuple[int, int, int, int]) -> dict:
-    from heterorl.peer.daemon.weights import weights_bytes
-    from heterorl.protocol.wire.delta import apply_delta, changed_fraction, encode_delta
+    from heterorl.peer.daemon.weights import checkpoint_state
+    from heterorl.peer.learner.device_delta import device_delta
+    from heterorl.protocol.wire.checkpoint import serialize_state_dict
+    from heterorl.protocol.wire.delta import apply_delta, changed_fraction, encode_delta, file_order
 
     trainer = None
-    prev = weights_bytes(model, "bfloat16")
-    rows_out, exact = [], True
+    prev_state = checkpoint_state(model, "bfloat16")  # the float32 master cast: a copy updates leave alone
+    prev = serialize_state_dict(prev_state)
+    rows_out, exact, device_same = [], True, True
     for v in range(1, updates + 1):
         rows = rollouts(model, *rollout_shape, version=v - 1)
         _sync()
@@ -150,10 +155,15 @@ def deltas(model, lr: float, updates: int, rollout_shape: tuple[int, int, int, i
         stats = trainer.step(rows)
         _sync()
         upd = time.perf_counter() - t
-        data = weights_bytes(model, "bfloat16")
+        state = checkpoint_state(model, "bfloat16")
+        data = serialize_state_dict(state)
         t = time.perf_counter()
         d = encode_delta(prev, data)
         enc = time.perf_counter() - t
+        t = time.perf_counter()
+        dd = device_delta(prev_state, state, hashlib.sha256(prev).digest(), file_order(data))
+        dev_enc = time.perf_counter() - t
+        device_same &= dd == d
         t = time.perf_counter()
         ok = apply_delta(prev, d) == data
         app = time.perf_counter() - t
@@ -167,16 +177,19 @@ def deltas(model, lr: float, updates: int, rollout_shape: tuple[int, int, int, i
                 "delta_bytes": len(d),
                 "ratio": len(d) / len(data),
                 "encode_s": enc,
+                "device_encode_s": dev_enc,  # the same delta found on the GPU (device_delta)
+                "device_same_bytes": dd == d,
                 "apply_s": app,
             }
         )
         print(json.dumps({"lr": lr, **rows_out[-1]}), flush=True)
-        prev = data
+        prev, prev_state = data, state
     return {
         "lr": lr,
         "full_bytes": len(prev),
         "delta_ratio": sum(r["ratio"] for r in rows_out) / len(rows_out),
         "bit_identical": exact,
+        "device_same_bytes": device_same,
         "versions": rows_out,
     }
 

@@ -127,6 +127,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--threads", type=int, default=None, help="torch threads of every side (default: torch's own)"
     )
+    ap.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where our hf backend, learner and loop, plain generate/CE and TRL run: auto (default: the "
+        "GPU when there is one), cpu, or cuda (fails if torch sees no CUDA GPU); vLLM and the swarm "
+        "keep their own",
+    )
     ap.add_argument("--swarm-steps", type=int, default=60, help="learner updates per swarm run")
     ap.add_argument("--samplers", type=int, nargs="+", default=[1, 2], help="swarm sizes to run")
     ap.add_argument("--lr", type=float, default=3e-4, help="learning rate of every learner")
@@ -156,6 +164,7 @@ def local_config(args, model: str, objective: str, backend: str = "hf") -> dict:
         "backend": backend,
         "chat": args.chat,
         "micro_batch_tokens": args.micro_batch_tokens,
+        "device": args.device,
     }
 
 
@@ -194,6 +203,7 @@ def _rl(args, model: str, out: Path) -> dict:
         seed=0,
         out=out / "trl",
         chat=args.chat,
+        device=args.device,
     )
     res["trl_grpo_steps_per_s"] = steady_rate(trl["step_end_s"], args.warmup)
     res["trl_mean_length"] = trl["mean_length"]
@@ -311,11 +321,18 @@ def _swarm(args, model: str, out: Path, single_steps_per_s: float | None) -> dic
 def run_from_args(args: argparse.Namespace) -> int:
     import torch
 
+    from heterorl.peer.daemon.hardware import detect
     from heterorl.peer.model import TINY_MODEL_DIR, ensure_model, load_model
     from heterorl.peer.model.prompts import PromptFormat
 
     from . import throughput_micro as micro
 
+    try:
+        hw = detect(args.device)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args.device = hw.device
     logging.getLogger("heterorl.peer.train.one_process").setLevel(logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -341,6 +358,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         "real_model": real,
         "prompts": PromptFormat(tok, args.chat).describe(),
         "threads": args.threads,
+        "device": hw.device,
+        "device_name": hw.name,
         "args": {k: v for k, v in vars(args).items() if k != "fn"},
     }
     t0 = time.perf_counter()

@@ -87,8 +87,10 @@ def rollout_in_process(
     repeats: int,
     out: Path,
     profile: bool = False,
+    device: str = "cpu",
 ) -> tuple[dict, str]:
-    """Tokens/s and mean completion length of our hf backend, plain ``generate`` and TRL's generation."""
+    """Tokens/s and mean completion length of our hf backend, plain ``generate`` and TRL's generation, on
+    ``device``."""
     import torch
 
     from heterorl.peer.model import load_model
@@ -97,11 +99,16 @@ def rollout_in_process(
 
     from .trl_grpo import trl_generator
 
-    model, tok = load_model(model_path)
+    model, tok = load_model(model_path, device=device)
     backend = make_backend("hf", model_path, tok, model=model)
     sampling = SamplingParams(1.0, 1.0, max_new_tokens)
     trl_generate = trl_generator(
-        copy.deepcopy(model), tok, group_size=group_size, max_new_tokens=max_new_tokens, out=out / "trl-gen"
+        copy.deepcopy(model),
+        tok,
+        group_size=group_size,
+        max_new_tokens=max_new_tokens,
+        out=out / "trl-gen",
+        device=device,
     )
 
     def hf() -> float:
@@ -111,8 +118,8 @@ def rollout_in_process(
     def plain() -> float:
         ids, attn, width = left_pad(prompt_ids, tok.pad_token_id)
         seq = model.generate(
-            input_ids=ids,
-            attention_mask=attn,
+            input_ids=ids.to(device),
+            attention_mask=attn.to(device),
             do_sample=True,
             temperature=1.0,
             top_k=0,
@@ -160,6 +167,7 @@ def rollout_and_switch(args, model: str, out: Path) -> tuple[dict, str]:
             repeats=args.repeats,
             out=out,
             profile=args.profile,
+            device=args.device,
         )
         spec["rollout"] = {"max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
     if "switch" in args.parts:
@@ -193,12 +201,13 @@ def learner(args, model_path: str) -> tuple[dict, str]:
 
     from heterorl.peer.learner.rows import Rows
     from heterorl.peer.learner.trainer import Trainer
-    from heterorl.peer.learner.update import StepOptions, plan_micro_batches
+    from heterorl.peer.learner.update import StepOptions, autocast_for, plan_micro_batches
     from heterorl.peer.model import load_model
     from heterorl.peer.model.logprobs import pack
     from heterorl.peer.rollout import SamplingParams, make_backend
 
-    model, tok = load_model(model_path)
+    model, tok = load_model(model_path, device=args.device)
+    device = model.device
     torch.manual_seed(0)
     sampling = SamplingParams(1.0, 1.0, args.max_new_tokens)
     roll = make_backend("hf", model_path, tok, model=model).generate(
@@ -231,7 +240,7 @@ def learner(args, model_path: str) -> tuple[dict, str]:
         tok.pad_token_id,
     )
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=args.lr, weight_decay=0.0)
-    labels = torch.where(rows.mask > 0, rows.completions, torch.full_like(rows.completions, -100))
+    labels = torch.where(rows.mask > 0, rows.completions, torch.full_like(rows.completions, -100)).to(device)
     spans = plan_micro_batches(
         [len(p) for p in rows.prompts], rows.completions.shape[1], args.micro_batch_tokens
     )
@@ -248,7 +257,10 @@ def learner(args, model_path: str) -> tuple[dict, str]:
             ids, attn, pos, width = pack(
                 rows.prompts[a:b], rows.completions[a:b], rows.mask[a:b], tok.pad_token_id
             )
-            logits = plain_model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+            with autocast_for(device):  # bf16 on a GPU, as our update
+                logits = plain_model(
+                    input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device)
+                ).logits.float()
             step_logits = logits[:, width - 1 : width - 1 + labels.shape[1]]
             loss = torch.nn.functional.cross_entropy(
                 step_logits.reshape(-1, step_logits.shape[-1]), labels[a:b].reshape(-1), reduction="sum"

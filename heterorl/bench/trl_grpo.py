@@ -19,7 +19,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def _config(out: Path, *, rows: int, group_size: int, max_new_tokens: int, lr: float, steps: int, seed: int):
+def _config(
+    out: Path,
+    *,
+    rows: int,
+    group_size: int,
+    max_new_tokens: int,
+    lr: float,
+    steps: int,
+    seed: int,
+    device: str = "cpu",
+):
+    """On ``device`` "cuda": bf16 mixed precision over float32 weights, as our learner's autocast."""
     from trl import GRPOConfig
 
     return GRPOConfig(
@@ -41,8 +52,8 @@ def _config(out: Path, *, rows: int, group_size: int, max_new_tokens: int, lr: f
         max_grad_norm=1.0,
         max_steps=steps,
         gradient_checkpointing=False,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=device == "cpu",
+        bf16=device == "cuda",
         report_to="none",
         save_strategy="no",
         logging_steps=1,
@@ -85,6 +96,7 @@ def run_trl_grpo(
     seed: int,
     out: Path,
     chat: str = "auto",
+    device: str = "cpu",
 ) -> dict:
     """Train ``steps`` GRPO steps with TRL; returns step end times, mean completion length, rewards."""
     from transformers import TrainerCallback
@@ -94,7 +106,7 @@ def run_trl_grpo(
     from heterorl.peer.tasks import get_task
 
     task = get_task(task_name, **task_params)
-    model, tok = load_model(model_path)
+    model, tok = load_model(model_path, device=device)
     rng = random.Random(seed)
     examples = [task.sample(rng) for _ in range(steps * prompts_per_step)]
     data = _dataset(tok, [e.prompt for e in examples], chat, reference=[e.reference for e in examples])
@@ -115,6 +127,7 @@ def run_trl_grpo(
         lr=lr,
         steps=steps,
         seed=seed,
+        device=device,
     )
 
     class Clock(TrainerCallback):
@@ -150,7 +163,7 @@ def run_trl_grpo(
 
 
 def trl_generator(
-    model, tok, *, group_size: int, max_new_tokens: int, out: Path
+    model, tok, *, group_size: int, max_new_tokens: int, out: Path, device: str = "cpu"
 ) -> Callable[[list[list[int]]], list[list[int]]]:
     """TRL's generation path alone: ``prompt_ids -> completion ids`` (up to and including EOS, unpadded).
 
@@ -164,7 +177,14 @@ def trl_generator(
     from trl import GRPOTrainer
 
     cfg = _config(
-        out, rows=group_size, group_size=group_size, max_new_tokens=max_new_tokens, lr=1e-6, steps=1, seed=0
+        out,
+        rows=group_size,
+        group_size=group_size,
+        max_new_tokens=max_new_tokens,
+        lr=1e-6,
+        steps=1,
+        seed=0,
+        device=device,
     )
     data = _dataset(tok, ["1+1="] * group_size, "off")
     trainer = GRPOTrainer(

@@ -34,14 +34,19 @@ def resolve_model(name: str, cache_dir: Path) -> str:
 CHECKPOINT_DTYPES = ("float32", "bfloat16")
 
 
-def weights_bytes(model: torch.nn.Module, dtype: str = "float32") -> bytes:
-    """safetensors bytes of the model's state, floating tensors cast to ``dtype`` (what samplers run: the
-    learner trains a float32 master copy and publishes its rounding)."""
+def checkpoint_state(model: torch.nn.Module, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    """The model's state as a checkpoint carries it, on the model's device: floating tensors cast to ``dtype``
+    (what samplers run: the learner trains a float32 master copy and publishes its rounding). Tensors already
+    in ``dtype`` are the model's own, not copies: clone them to keep a version (a parent for device_delta)."""
     if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"checkpoint dtype must be one of {', '.join(CHECKPOINT_DTYPES)}, got {dtype!r}")
     target = getattr(torch, dtype)
-    state = {k: v.to(target) if v.is_floating_point() else v for k, v in model.state_dict().items()}
-    return serialize_state_dict(state)
+    return {k: v.to(target) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+
+
+def weights_bytes(model: torch.nn.Module, dtype: str = "float32") -> bytes:
+    """safetensors bytes of :func:`checkpoint_state`."""
+    return serialize_state_dict(checkpoint_state(model, dtype))
 
 
 def weights_hash(data: bytes) -> bytes:

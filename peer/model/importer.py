@@ -20,11 +20,11 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
+
+from .hf_dir import check_out_dir, staged_dir, write_weights
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +83,6 @@ def _check_gguf_file(path: Path) -> None:
         raise ValueError(f"{path}: cannot read: {e.strerror or e}") from e
     if magic != GGUF_MAGIC:
         raise ValueError(f"{path}: not a GGUF file (it does not start with the GGUF magic bytes)")
-
-
-def _check_out_dir(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"{out}: exists and is not empty; pass overwrite=True (--overwrite) to replace it")
 
 
 def _check_packages() -> None:
@@ -158,22 +151,13 @@ def _quant_note(quant: str | None, original: str) -> str:
     return f"weights are converted from a GGUF file ({quant or 'unknown type'}), not {original}"
 
 
-def _write_safetensors(model, path: Path) -> None:
-    """``model.state_dict()`` with ``lm_head.weight`` always present; shared (tied) tensors cloned."""
-    from safetensors.torch import save_file
-
+def _state_with_head(model) -> dict:
+    """``model.state_dict()`` with ``lm_head.weight`` always present."""
     state = model.state_dict()
     head = model.get_output_embeddings()
     if "lm_head.weight" not in state and head is not None and getattr(head, "weight", None) is not None:
         state["lm_head.weight"] = head.weight
-    seen: set[int] = set()
-    tensors = {}
-    for name, t in sorted(state.items()):
-        t = t.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        tensors[name] = t.clone() if ptr in seen else t
-        seen.add(ptr)
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    return state
 
 
 def _clear_quantizer_marks(model) -> None:
@@ -207,7 +191,7 @@ def import_gguf(
     src = Path(gguf_path).expanduser()
     out = Path(out_dir).expanduser()
     _check_gguf_file(src)
-    _check_out_dir(out, overwrite)
+    check_out_dir(out, overwrite)
     _check_packages()
     meta = read_gguf_metadata(src)
     arch = meta["architecture"] or "unknown"
@@ -249,15 +233,10 @@ def import_gguf(
     if getattr(cfg, "max_position_embeddings", None):
         tokenizer.model_max_length = int(cfg.max_position_embeddings)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.importing-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged_dir(out, "importing") as tmp:
         log.info("writing %s", out)
         cfg.save_pretrained(tmp)
-        _write_safetensors(model, tmp / "model.safetensors")
-        shutil.copymode(tmp / "config.json", tmp / "model.safetensors")  # safetensors writes it 0600
+        write_weights(_state_with_head(model), tmp / "model.safetensors", mode_from=tmp / "config.json")
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         n_params = sum(p.numel() for p in model.parameters())
@@ -281,15 +260,5 @@ def import_gguf(
             original += f" of {record['upstream']}"
         record["note"] = _quant_note(meta["quantization"], original)
         (tmp / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        if out.exists():
-            old = out.parent / f".{out.name}.replaced-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("imported %s: %d parameters (%s) in %s", src.name, n_params, dtype, out)
     return out

@@ -69,6 +69,7 @@ class OneProcessConfig:
     objective_params: dict = field(default_factory=lambda: _run_default("objective_params"))
     # LoRA on the frozen base (hf rollouts); None: full fine-tuning
     adapter: AdapterSettings | None = _run_default("adapter")
+    device: str = "cpu"  # where the policy trains and the hf backend generates: cpu or cuda (vLLM: its own)
 
     @property
     def learner(self) -> LearnerSettings:
@@ -90,6 +91,8 @@ class OneProcessConfig:
         self.learner  # noqa: B018  (validates grad_clip, tis_cap, micro_batch_tokens like run.toml's)
         if self.delay < 0:
             raise ValueError(f"delay must be >= 0, got {self.delay}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.backend not in ("hf", "vllm"):
             raise ValueError(f"backend must be hf or vllm, got {self.backend!r}")
         if self.chat not in CHAT_MODES:
@@ -116,7 +119,7 @@ def run_one_process(
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    policy, tok = load_model(cfg.model)
+    policy, tok = load_model(cfg.model, device=cfg.device)
     checkpoint_bytes = len(serialize_state_dict(adapter.base_state(policy)))
     if cfg.adapter is not None:
         policy = adapter.wrap(policy, cfg.adapter)
@@ -206,6 +209,7 @@ def run_one_process(
         "delay": cfg.delay,
         "steps": cfg.steps,
         "seed": cfg.seed,
+        "device": cfg.device,
         "reward_curve": reward_curve,
         "reward_first20": sum(reward_curve[:k]) / k,
         "reward_last20": sum(reward_curve[-k:]) / k,

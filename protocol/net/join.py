@@ -1,8 +1,10 @@
 """Joining a run: check the bootstrap addresses, start the node, find and verify the RunSpec, pin its key.
 
 What a peer learns is kept in its state directory (``run.json``: run id and pinned coordinator key;
-``known_peers.json``: addresses of peers seen), so a restarted peer rejoins the same run, trusts the same key,
-and can rejoin through peers it met before when every bootstrap address is down.
+``known_peers.json``: addresses of peers seen; ``runspec.msgpack``: the signed RunSpec it joined as received),
+so a restarted peer rejoins the same run, trusts the same key, and can rejoin through peers it met before when
+every bootstrap address is down; and tools that read a peer's state offline (``heterorl export``) know which
+run, model and learner keys it belongs to.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from heterorl.protocol import Identity, ProtocolError
 from heterorl.protocol.net.config import NetConfig
 from heterorl.protocol.net.node import Node, Record
 from heterorl.protocol.net.spec import SpecServer, check_run_key, lookup_specs, request_spec
-from heterorl.protocol.storage.files import atomic_write_json
+from heterorl.protocol.storage.files import atomic_write, atomic_write_json
 
 log = logging.getLogger(__name__)
 
 MAX_KNOWN_PEERS = 32
+RUNSPEC_FILE = "runspec.msgpack"  # in a peer's state dir: the signed RunSpec it joined
 ASK_TIMEOUT_S = 30.0  # one DHT lookup or one bootstrap peer's answer, while looking for the RunSpec
 ASK_AGAIN_S = 1.0  # the RunSpec is the coordinator's to publish: nothing to wait on but asking again
 
@@ -210,6 +213,7 @@ def join(
     else:
         log.info("RunSpec of run %s verified against the pinned key %s", body["run_id"], author.hex()[:16])
     atomic_write_json(state_dir / "run.json", {"run_id": body["run_id"], "run_key": author.hex()}, indent=1)
+    atomic_write(state_dir / RUNSPEC_FILE, raw)
     remember_peers(state_dir, list(config.bootstrap))
     node.call(SpecServer(raw).attach(node))
     return Joined(node, raw, body, author)

@@ -1,5 +1,5 @@
-"""Atomic, durable file writes: the one way every state file (run.json, known_peers.json, the learner's
-CURRENT pointer, the coordinator's runspec.msgpack and view.json, final stats, chunks, manifests) is written.
+"""Atomic, durable file writes: the one way every state file (run.json, known_peers.json, runspec.msgpack, the
+learner's CURRENT pointer, the coordinator's view.json, final stats, chunks, manifests) is written.
 
 :func:`atomic_write` writes a temp file next to the target, flushes and fsyncs it, renames it over the target
 with ``os.replace`` and fsyncs the folder, so a crash or a power cut (as far as the disk honours fsync)

@@ -12,8 +12,9 @@ written before the ``.msg``; a version exists once its ``.msg`` does. Chunks are
 a file that no longer hashes to its name is deleted, never served. Manifests enter last, once every chunk
 they list is held ("publish data first, manifest last").
 
-Left out: locking across processes (one process per root), and re-verifying the ``.msg`` signature on
-read (peers verify every manifest they receive). Thread-safe within a process.
+Left out: locking across processes (one writer per root; another process may open it ``read_only``, which
+deletes and writes nothing), and re-verifying the ``.msg`` signature on read (peers verify every manifest they
+receive; a reader of another's store verifies it again). Thread-safe within a process.
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class ChunkStore:
     ``keep_latest`` versions, so the store can stay over the cap when those alone exceed it.
     """
 
-    def __init__(self, root: Path | str, max_bytes: int, *, keep_latest: int = 2):
+    def __init__(self, root: Path | str, max_bytes: int, *, keep_latest: int = 2, read_only: bool = False):
+        """``read_only``: look into a store another process writes (``heterorl export`` beside a running
+        peer): its crash leftovers and corrupt chunks are skipped, not deleted, and the writing methods raise
+        PermissionError; FileNotFoundError if there is no store at ``root``."""
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
         if keep_latest < 1:
@@ -96,8 +100,12 @@ class ChunkStore:
         self._manifest_bytes: dict[int, int] = {}  # version -> .msg + .json bytes on disk
         self._evicted_bytes = 0
         self._corrupt_dropped = 0
-        self._chunks_dir.mkdir(parents=True, exist_ok=True)
-        self._manifests_dir.mkdir(parents=True, exist_ok=True)
+        self.read_only = read_only
+        if read_only and not (self._chunks_dir.is_dir() and self._manifests_dir.is_dir()):
+            raise FileNotFoundError(f"no chunk store at {self.root}")
+        if not read_only:
+            self._chunks_dir.mkdir(parents=True, exist_ok=True)
+            self._manifests_dir.mkdir(parents=True, exist_ok=True)
         self._scan()
 
     # --- opening -------------------------------------------------------------------------------------
@@ -109,12 +117,12 @@ class ChunkStore:
                 continue
             for f in sub.iterdir():
                 if f.name.startswith(TMP_PREFIX):
-                    f.unlink(missing_ok=True)
+                    self._discard(f)
                 elif _is_hex_name(f.name) and f.name[:2] == sub.name and f.is_file():
                     self._sizes[bytes.fromhex(f.name)] = f.stat().st_size
         for f in self._manifests_dir.iterdir():
             if f.name.startswith(TMP_PREFIX):
-                f.unlink(missing_ok=True)
+                self._discard(f)
         for f in sorted(self._manifests_dir.glob("*.json")):
             msg = f.with_suffix(".msg")
             try:
@@ -123,14 +131,23 @@ class ChunkStore:
                 if body["version"] != version or not msg.is_file():
                     raise ValueError("sidecar without its manifest")
             except (ValueError, KeyError, TypeError, OSError):  # crash between the two writes, or damage
-                f.unlink(missing_ok=True)
-                msg.unlink(missing_ok=True)
+                self._discard(f)
+                self._discard(msg)
                 continue
             self._bodies[version] = body
             self._manifest_bytes[version] = f.stat().st_size + msg.stat().st_size
         for msg in self._manifests_dir.glob("*.msg"):
             if not msg.with_suffix(".json").exists():  # unusable without its body
-                msg.unlink(missing_ok=True)
+                self._discard(msg)
+
+    def _discard(self, path: Path) -> None:
+        """Delete a crash leftover, unless this store is only read (its writer may be writing it now)."""
+        if not self.read_only:
+            path.unlink(missing_ok=True)
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise PermissionError(f"the chunk store at {self.root} is open read-only")
 
     # --- chunks --------------------------------------------------------------------------------------
 
@@ -153,6 +170,8 @@ class ChunkStore:
             return None
         if checkpoint.chunk_hash(data) == h:
             return data
+        if self.read_only:  # not ours to delete
+            return None
         with self._lock:  # re-check under the lock: a concurrent put may have just replaced the file
             try:
                 if checkpoint.chunk_hash(path.read_bytes()) != h:
@@ -165,6 +184,7 @@ class ChunkStore:
 
     def put(self, h: bytes, data: bytes) -> None:
         """Store chunk ``data`` under ``h``; ValueError unless sha256(data) == h. Idempotent."""
+        self._check_writable()
         path = self._chunk_path(h)
         if checkpoint.chunk_hash(data) != h:
             raise ValueError(f"chunk {h.hex()[:16]}…: data does not hash to its name")
@@ -200,6 +220,7 @@ class ChunkStore:
         ValueError unless every chunk it lists is held, ``raw`` decodes to ``body``, and the version is not
         already held with other bytes (storing the same manifest again is a no-op). Then evicts.
         """
+        self._check_writable()
         checkpoint.check_manifest(body)
         try:
             _, decoded, _ = decode(raw, expected="CheckpointManifest")
@@ -287,6 +308,7 @@ class ChunkStore:
         in progress), then, while still over the cap, the oldest versions beyond the newest
         ``keep_latest`` and the chunks only they referenced.
         """
+        self._check_writable()
         if keep_latest < 0:
             raise ValueError("keep_latest must be >= 0")
         with self._lock:

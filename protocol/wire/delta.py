@@ -14,6 +14,10 @@ Tied tensors (``lm_head.weight`` beside ``embed_tokens.weight``) change identica
 alias. Both files must share one safetensors header (same names, shapes, dtypes, hence the same offsets): a
 delta patches words in place and never moves them. The delta names its parent by the SHA-256 of the parent's
 bytes, so it cannot be applied to another state. Pure functions on bytes (numpy, zstandard); no torch, no I/O.
+
+Encoding is two steps: finding the changed words (:func:`encode_delta` compares the two files with numpy) and
+packing them (:func:`pack_delta`), so a learner can find them on its GPU instead
+(``heterorl.peer.learner.device_delta``) and still make the same bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import hashlib
 import json
 import math
 import struct
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
@@ -98,34 +104,68 @@ def _unplanes(raw: bytes, dtype: type, n: int) -> np.ndarray:
     )
 
 
+class Change(NamedTuple):
+    """One tensor's changed words: what :func:`pack_delta` packs (found by :func:`encode_delta` on the CPU, or
+    on the tensors' own device by ``heterorl.peer.learner.device_delta``)."""
+
+    name: str
+    word: int  # bytes per element
+    count: int  # elements in the tensor
+    index: np.ndarray  # flat indices of the changed elements, strictly increasing
+    diff: np.ndarray  # their wrapping differences ``new - old`` mod 2**(8 * word), in the same order
+
+
 def encode_delta(parent: bytes, child: bytes, level: int = 3, threads: int = 0) -> bytes:
     """The delta that turns safetensors ``parent`` into ``child``; DeltaError if their headers differ."""
-    import zstandard
-
     header, tensors = layout(parent)
     if len(child) != len(parent) or bytes(child[: len(header)]) != header:
         raise DeltaError("parent and child differ in tensor names, shapes or dtypes; publish in full")
+
+    def changes() -> Iterator[Change]:
+        for t in tensors:
+            old, new = _view(parent, t), _view(child, t)
+            idx = np.flatnonzero(old != new)
+            yield Change(t.name, t.word, t.count, idx, new[idx] - old[idx])  # unsigned: wraps mod 2**bits
+
+    return pack_delta(hashlib.sha256(parent).digest(), changes(), level, threads)
+
+
+def pack_delta(parent_sha256: bytes, changes: Iterable[Change], level: int = 3, threads: int = 0) -> bytes:
+    """The delta of ``changes`` (every tensor of the file in file order; unchanged ones may be left out)
+    against the parent whose bytes hash to ``parent_sha256``: gaps and byte planes, tensors whose changes are
+    identical (tied weights) once as an alias, one zstd frame, the envelope. Pure packing: how the changes
+    were found does not show in the bytes."""
+    import zstandard
+
+    if len(parent_sha256) != 32:
+        raise ValueError("parent_sha256 must be a 32-byte SHA-256 digest")
     entries, parts, seen = [], [], {}
-    for t in tensors:
-        old, new = _view(parent, t), _view(child, t)
-        idx = np.flatnonzero(old != new)
+    for c in changes:
+        idx = np.ascontiguousarray(c.index, dtype=np.int64)
+        diff = np.ascontiguousarray(c.diff, dtype=_UINT[c.word])
         if not idx.size:
             continue
-        if t.count > 1 << 32:
-            raise DeltaError(f"tensor {t.name}: {t.count} elements exceed the format's 2**32")
-        diff = new[idx] - old[idx]  # wraps modulo 2**bits
-        key = (t.word, t.count, hashlib.sha256(idx.tobytes() + diff.tobytes()).digest())
+        if c.count > 1 << 32:
+            raise DeltaError(f"tensor {c.name}: {c.count} elements exceed the format's 2**32")
+        gaps = np.diff(idx, prepend=-1)
+        if idx.shape != diff.shape or gaps.min() < 1 or idx[-1] >= c.count:
+            raise ValueError(f"tensor {c.name}: indices unpaired or not increasing inside {c.count}")
+        key = (c.word, c.count, hashlib.sha256(idx.tobytes() + diff.tobytes()).digest())
         if key in seen:
-            entries.append([t.name, int(idx.size), seen[key]])
+            entries.append([c.name, int(idx.size), seen[key]])
             continue
-        seen[key] = t.name
-        entries.append([t.name, int(idx.size), ""])
-        gaps = np.diff(idx, prepend=-1).astype(np.uint32)
-        parts += [_planes(gaps), _planes(diff)]
+        seen[key] = c.name
+        entries.append([c.name, int(idx.size), ""])
+        parts += [_planes(gaps.astype(np.uint32)), _planes(diff)]
     raw = b"".join(parts)
     z = zstandard.ZstdCompressor(level=level, threads=threads).compress(raw)
-    body = {"format": FORMAT, "base": hashlib.sha256(parent).digest(), "size": len(raw), "tensors": entries}
+    body = {"format": FORMAT, "base": bytes(parent_sha256), "size": len(raw), "tensors": entries}
     return msgpack.packb({**body, "data": z}, use_bin_type=True)
+
+
+def file_order(data: bytes | bytearray | memoryview) -> list[str]:
+    """Names of the tensors of safetensors ``data`` in file order (the order deltas list them in)."""
+    return [t.name for t in layout(data)[1]]
 
 
 @dataclasses.dataclass(frozen=True)
