@@ -159,6 +159,18 @@ def test_versions_come_with_deltas_that_rebuild_them_bit_for_bit(rig):
     assert 0 < rig.pub.stats()["delta_ratio"] < 0.5
 
 
+def test_a_restarted_publisher_diffs_against_versions_read_back_from_the_store(rig):
+    rig.update()
+    assert rig.offer() and rig.pub.wait_idle(10)
+    again = rig.publisher()  # holds no tensors of earlier versions
+    rig.update()
+    again.publish_now(rig.trainer.snapshot("bfloat16", with_state=False))
+    body = rig.store.body(2)
+    assert [d["base_version"] for d in body["deltas"]] == [1]
+    delta = rig.store.assemble_part(delta_part(body, body["deltas"][0]), "delta")
+    assert apply_delta(rig.store.assemble(1), delta) == rig.store.assemble(2)
+
+
 def test_a_restarted_publisher_announces_the_stored_version_again_without_rebuilding(rig):
     rig.update()
     assert rig.offer() and rig.pub.wait_idle(10)

@@ -132,6 +132,8 @@ def test_a_snapshot_is_a_copy_and_rounds_to_the_checkpoint_dtype(rows):
     assert snap.optimizer_state["state"] == {}  # taken before the first step
     f32 = trainer.snapshot("float32")
     assert all(f32.weights[k] is f32.model_state[k] for k in f32.weights)  # one copy serves both
+    tied = trainer.model.lm_head.weight.data_ptr() == trainer.model.model.embed_tokens.weight.data_ptr()
+    assert tied and snap.weights["lm_head.weight"] is snap.weights["model.embed_tokens.weight"]  # still tied
 
 
 def test_save_and_restore_reproduce_the_next_step_exactly(rows, tmp_path):

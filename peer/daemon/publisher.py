@@ -7,7 +7,9 @@ updates) and goes on training. The publisher thread then, in this order:
    a restart resumes from here; this comes first because a version must never be public ahead of the state
    it came from (a restart from an older save would train that version number again, differently);
 2. serialises the weights (already rounded to the checkpoint dtype), cuts them into content-addressed chunks,
-   and diffs them against up to ``learner.deltas`` earlier versions it still holds (sparse deltas);
+   and diffs them against up to ``learner.deltas`` earlier versions (sparse deltas), on the trainer's device
+   for the versions it published itself (:func:`~heterorl.peer.learner.device_delta.device_delta`: the same
+   bytes as the CPU codec, only the changed words leave the GPU);
 3. signs the manifest, stores chunks and manifest in the chunk store (which serves them), and hands the
    manifest to the :class:`~.announcer.Announcer` (the DHT announce runs on the node's loop).
 
@@ -20,6 +22,7 @@ DHT refused, and announces the newest version again before its DHT records expir
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import threading
 import time
@@ -36,9 +39,10 @@ from heterorl.protocol.wire.checkpoint import (
     serialize_state_dict,
 )
 from heterorl.protocol.wire.delta import CODEC as DELTA_CODEC
-from heterorl.protocol.wire.delta import encode_delta
+from heterorl.protocol.wire.delta import encode_delta, file_order
 from heterorl.protocol.wire.identity import Identity
 
+from ..learner.device_delta import device_delta
 from ..learner.trainer import Snapshot, Trainer
 from .announcer import Announcer
 
@@ -72,7 +76,9 @@ class Publisher:
         self._pending: Snapshot | None = None
         self._working = False
         self._closed = False
-        self._recent: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=max(1, deltas))
+        # the last versions published here, as (version, sha256 of their bytes, their tensors on the trainer's
+        # device): bases the next version's deltas are diffed against where the tensors are
+        self._recent: collections.deque[tuple[int, bytes, dict]] = collections.deque(maxlen=max(1, deltas))
         self.published_version = -1  # the newest version in the store, signed (set before its announce)
         self._announced_at = 0.0  # monotonic time of its last announce
         self.published = 0
@@ -174,12 +180,12 @@ class Publisher:
             parent = self.published_version if self.published_version >= 0 else max(older, default=-1)
             body, chunks = manifest_body(self.run_id, v, parent, data, self.checkpoint_dtype)
             if self.deltas:
-                chunks += self._deltas(body, older, data)
+                chunks += self._deltas(body, older, data, snap.weights)
             for h, c in zip(referenced_hashes(body), chunks, strict=True):
                 self.store.put(h, c)
             raw = encode("CheckpointManifest", body, self.identity)
         # else: built before a restart from these same saved weights; announce it again
-        self._recent.append((v, data))
+        self._recent.append((v, hashlib.sha256(data).digest(), snap.weights))
         t2 = time.perf_counter()
         self.store.add_manifest(raw, body)
         self.published_version = v
@@ -191,16 +197,22 @@ class Publisher:
             {"save": t1 - t0, "build": t2 - t1, "announce": t3 - t2, "cpu": time.thread_time() - cpu}
         )
 
-    def _deltas(self, body: dict, older: list[int], data: bytes) -> list[bytes]:
+    def _deltas(self, body: dict, older: list[int], data: bytes, weights: dict) -> list[bytes]:
         """Offer version ``body`` also as sparse deltas against each of the ``deltas`` most recent ``older``
         published versions, so a peer up to that many versions behind still fetches one delta; returns their
-        chunks. A base gone from the store, or a delta that would not save half the bytes, is skipped."""
+        chunks. A base this publisher still holds is diffed on the tensors' device (the GPU of a GPU learner:
+        only the changed words come to the CPU); another is read back from the store and diffed there. A
+        base gone from the store, or a delta that would not save half the bytes, is skipped."""
         newest_first = sorted(older, reverse=True)
-        held = dict(self._recent)  # bases published by this process: no need to read them back
+        held = {v: (sha, tensors) for v, sha, tensors in self._recent}
+        order = file_order(data)
         chunks: list[bytes] = []
         for base in newest_first[: self.deltas]:
             try:
-                delta = encode_delta(held[base] if base in held else self.store.assemble(base), data)
+                if base in held:
+                    delta = device_delta(held[base][1], weights, held[base][0], order)
+                else:
+                    delta = encode_delta(self.store.assemble(base), data)
             except (KeyError, ProtocolError) as e:  # evicted, or another layout: no delta from it
                 log.info("version %d: no delta against version %d: %s", body["version"], base, e)
                 continue

@@ -119,18 +119,22 @@ class Trainer:
         and, with ``with_state``, of the model and optimiser state. Between steps only: this is the one
         moment the training thread spends on publishing."""
         target = getattr(torch, dtype)
+        copies: dict[tuple, Tensor] = {}  # one copy per storage: tied weights stay tied, copied once
+
+        def copy_of(t: Tensor, dtype: torch.dtype) -> Tensor:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), dtype)
+            if key not in copies:
+                copies[key] = t.detach().to(dtype, copy=True)
+            return copies[key]
+
         model_state = optimizer_state = None
         if with_state:
-            model_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            model_state = {k: copy_of(v, v.dtype) for k, v in self.model.state_dict().items()}
             optimizer_state = _clone_tensors(self.optimizer.state_dict())
-        weights = {}
-        for name, t in self.published_state().items():
-            if model_state is not None and name in model_state and t.dtype == target:
-                weights[name] = model_state[name]  # the same values: one copy serves both
-            elif t.is_floating_point():
-                weights[name] = t.detach().to(target, copy=True)
-            else:
-                weights[name] = t.detach().clone()
+        weights = {
+            name: copy_of(t, target if t.is_floating_point() else t.dtype)  # float32: the state's own copy
+            for name, t in self.published_state().items()
+        }
         return Snapshot(self.version, weights, model_state, optimizer_state)
 
     @staticmethod
