@@ -220,3 +220,18 @@ def test_an_idle_publisher_announces_the_newest_version_again_before_its_records
         assert set(rig.starts.versions) == {1} and len(rig.starts.versions) >= 3
     finally:
         rig.close()
+
+
+def test_the_state_is_saved_with_the_first_version_then_every_save_every_s(tmp_path):
+    rig = Rig(tmp_path)
+    rig.pub.save_every_s = 3600.0
+    try:
+        for _ in range(3):
+            rig.update()
+            assert rig.pub.offer(lambda: rig.trainer.snapshot("bfloat16", with_state=rig.pub.save_due()))
+            assert rig.pub.wait_idle(10)
+        assert rig.store.versions()[-1] == 3 and rig.pub.saved_version == 1
+        assert current_save(rig.state_root).name == "step-00000001"
+        assert not rig.pub.save_due()
+    finally:
+        rig.close()

@@ -126,6 +126,11 @@ def test_churn_samplers_learner_and_coordinator_come_and_go(swarm):
     assert s2_key in authors  # the newcomer's data was used
     log = (swarm.learner_dir / "learner.log").read_text()
     assert "resumed from my own state" in log and "Traceback" not in log
+    # its state is saved with the first version it publishes, then every save_every_s (300 s): killed ~10
+    # versions later, it redoes those updates from the ledger as new versions, never signing a number twice
+    assert "were published after my last save" in log
+    steps = [r["step"] for r in swarm.metrics()]
+    assert steps == sorted(set(steps))
 
 
 def test_a_version_0_other_than_the_runspecs_initial_checkpoint_is_refused_once(swarm):

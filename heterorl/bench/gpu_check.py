@@ -9,7 +9,9 @@ initialisation (HF's, std 0.02): SmolLM2-135M's and a Qwen2-1.5B-sized LLaMA. Pe
   the right shape) at RL learning rates: seconds and peak memory per update, then per version the fraction of
   bf16 words that changed, the sparse delta's size against the full bf16 checkpoint, encode and apply seconds
   (the codec runs on the CPU), the same delta found on the GPU (``device_delta``: seconds, same bytes) and a
-  bit-exact rebuild.
+  bit-exact rebuild;
+- the update rate with the learner's background publisher publishing every update (state save, bf16 chunks,
+  deltas diffed on the GPU) against no publishing (:mod:`heterorl.bench.learner_overhead`).
 
 Random initialisation is not a trained model: trained weights spread wider, so a step of the same size
 flips fewer bf16 roundings; read the ratios as the shape of the curve, and ``heterorl bench weights`` (real
@@ -194,6 +196,36 @@ def deltas(model, lr: float, updates: int, rollout_shape: tuple[int, int, int, i
     }
 
 
+def publishing(name: str, args: argparse.Namespace) -> dict:
+    """Update rate with the learner publishing every update in the background (state save, bf16 chunks, deltas
+    on the GPU) against no publishing: :mod:`heterorl.bench.learner_overhead` on this architecture."""
+    from pathlib import Path
+    from tempfile import TemporaryDirectory
+
+    from .learner_overhead import run
+
+    ns = argparse.Namespace(
+        updates=args.publish_updates,
+        warmup=2,
+        prompts=args.prompts,
+        group_size=args.group_size,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        micro_batch_tokens=None,
+        checkpoint_dtype="bfloat16",
+        deltas=4,
+    )
+    out = {}
+    for side, publish in (("no_publishing", False), ("publish_every_update", True)):
+        with TemporaryDirectory() as work:
+            out[side] = run(build(name, args.device), ns, publish, Path(work))
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    out["rate_ratio"] = out["publish_every_update"]["updates_per_s"] / out["no_publishing"]["updates_per_s"]
+    print(name, "publishing", json.dumps(out), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m heterorl.bench.gpu_check", description=__doc__)
     ap.add_argument("--sizes", nargs="+", default=[k for k in SIZES if k != "tiny-arch"], choices=list(SIZES))
@@ -204,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument(
+        "--publish-updates",
+        type=int,
+        default=8,
+        help="updates with background publishing every update, then without (0: skip that part)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -223,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             del model
             if args.device == "cuda":
                 torch.cuda.empty_cache()
+        if args.publish_updates:
+            res["publishing"] = publishing(name, args)
         out["models"][name] = res
         print(name, json.dumps({k: v for k, v in res.items() if k != "by_lr"}), flush=True)
     if args.json:

@@ -13,10 +13,11 @@ A pipeline of threads, so that training waits for nothing it need not wait for:
 - the publisher (:class:`~.publisher.Publisher`): the state save, chunks, deltas, signature, store, announce.
 
 Exactly once, across kills: an accepted batch is in the ledger (on disk) before it is acknowledged; after each
-update its id is marked applied at that step; the publisher saves model, optimizer and step before it makes
-that version public. A restarted learner loads its last save (step S) and replays every batch the ledger holds
-as pending or applied after S, so nothing accepted is lost and nothing counts twice in the saved lineage.
-Checkpoint versions equal update steps.
+update its id is marked applied at that step; the publisher saves model, optimizer and step with a published
+version every ``learner.save_every_s``. A restarted learner loads its last save (step S) and replays every
+batch the ledger holds as pending or applied after S, so nothing accepted is lost and nothing counts twice in
+the saved lineage. Checkpoint versions are update steps; updates redone after a restart are numbered after
+the newest version published before it, so a version number is never signed twice.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -31,6 +33,7 @@ import time
 from heterorl.protocol import decode
 from heterorl.protocol.net.chunks import announce_checkpoint
 from heterorl.protocol.net.trajectories import TrajectoryReceiver
+from heterorl.protocol.storage.files import atomic_write
 from heterorl.protocol.storage.ledger import AcceptedLog
 from heterorl.protocol.wire.checkpoint import serialize_state_dict
 from heterorl.protocol.wire.staleness import STALENESS_BUCKETS, staleness_bucket
@@ -103,6 +106,8 @@ class Learner:
             log.info("starting fresh from %s", s.model)
         else:
             log.info("resumed from my own state at step %d", self.step)
+        saved_step = self.step
+        self._continue_after_published(saved_step)
         self.ledger = AcceptedLog(state_dir / "accepted.sqlite")
         self.buffer = TrajectoryBuffer(s.learner.buffer_batches)
         self.reward_check = RewardCheck(
@@ -137,6 +142,7 @@ class Learner:
             state_root=state_dir / "state",
             checkpoint_dtype=s.learner.checkpoint_dtype,
             deltas=s.learner.deltas,
+            save_every_s=s.learner.save_every_s,
         )
         self.staleness: collections.Counter[str] = collections.Counter()
         self.last: dict[str, float] = {}
@@ -144,7 +150,7 @@ class Learner:
         self.train_s = 0.0
         self.blocked_s = 0.0  # the training thread's time spent on publishing (snapshots, the last version)
         self._due = False  # a version is due and waits for the publisher to be free
-        self.replayed = self._replay()
+        self.replayed = self._replay(saved_step)
 
     @property
     def step(self) -> int:
@@ -172,8 +178,29 @@ class Learner:
     def _on_accept(self, body: dict, author: bytes, _raw: bytes) -> None:
         self.buffer.put(Buffered(body["batch_id"], author, body, time.time()))
 
-    def _replay(self) -> int:
-        items = self.ledger.pending(applied_after=self.step)
+    def _continue_after_published(self, saved_step: int) -> None:
+        """Versions published after the last save (saves are every ``learner.save_every_s``) were made from
+        updates this restart redoes from the ledger, differently: the redone updates are numbered after the
+        newest published version, so no version number is signed twice; their old metrics rows go."""
+        newest = max(self.store.versions(), default=-1)
+        if newest <= saved_step:
+            return
+        log.warning(
+            "versions %d..%d were published after my last save (step %d): their updates are redone from the "
+            "ledger as versions %d on",
+            saved_step + 1,
+            newest,
+            saved_step,
+            newest + 1,
+        )
+        self.trainer.version = newest
+        path = self.state_dir / "metrics.jsonl"
+        if path.exists():  # the lineage: rows of updates after the save are not in it any more
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= saved_step]
+            atomic_write(path, "".join(line + "\n" for line in kept))
+
+    def _replay(self, saved_step: int) -> int:
+        items = self.ledger.pending(applied_after=saved_step)
         for it in items:
             _, body, author = decode(it.data, "TrajectoryBatch", run_id=self.settings.run_id)
             self.buffer.put(Buffered(it.batch_id, author, body, it.received_at))
@@ -200,7 +227,7 @@ class Learner:
         version is offered then: a publisher that falls behind skips to the newest)."""
         t = time.perf_counter()
         dtype = self.settings.learner.checkpoint_dtype
-        if self.publisher.offer(lambda: self.trainer.snapshot(dtype)):
+        if self.publisher.offer(lambda: self.trainer.snapshot(dtype, with_state=self.publisher.save_due())):
             self._due = False
         self.blocked_s += time.perf_counter() - t
 

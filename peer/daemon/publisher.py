@@ -3,9 +3,10 @@
 The training thread hands over a :class:`~heterorl.peer.learner.trainer.Snapshot` (copies made between two
 updates) and goes on training. The publisher thread then, in this order:
 
-1. saves the learner's state from the snapshot (atomic, fsynced) and prunes the ledger up to that step, so
-   a restart resumes from here; this comes first because a version must never be public ahead of the state
-   it came from (a restart from an older save would train that version number again, differently);
+1. if the snapshot carries the learner's state (every ``learner.save_every_s`` seconds: a save of a real
+   model is gigabytes), saves it (atomic, fsynced) and prunes the ledger up to that step, so a restart
+   resumes from here. A restart from a save older than the newest published version goes on numbering
+   after that version (:class:`~.learner.Learner`), so no version number is ever published twice;
 2. serialises the weights (already rounded to the checkpoint dtype), cuts them into content-addressed chunks,
    and diffs them against up to ``learner.deltas`` earlier versions (sparse deltas), on the trainer's device
    for the versions it published itself (:func:`~heterorl.peer.learner.device_delta.device_delta`: the same
@@ -68,10 +69,14 @@ class Publisher:
         state_root: Path,
         checkpoint_dtype: str,
         deltas: int,
+        save_every_s: float = 0.0,
     ):
+        """``save_every_s``: :meth:`save_due` asks for a snapshot with the state this often (0: always)."""
         self.run_id, self.identity, self.store, self.ledger = run_id, identity, store, ledger
         self.announcer, self.state_root = announcer, state_root
-        self.checkpoint_dtype, self.deltas = checkpoint_dtype, deltas
+        self.checkpoint_dtype, self.deltas, self.save_every_s = checkpoint_dtype, deltas, save_every_s
+        self._saved_at = -float("inf")  # monotonic time of the last state save (the first one is due at once)
+        self.saved_version = -1
         self._cond = threading.Condition()
         self._pending: Snapshot | None = None
         self._working = False
@@ -99,6 +104,10 @@ class Publisher:
             self._pending = make()
             self._cond.notify_all()
             return True
+
+    def save_due(self) -> bool:
+        """Whether the next snapshot should carry the learner's state to save."""
+        return time.monotonic() - self._saved_at >= self.save_every_s
 
     def publish_now(self, snapshot: Snapshot) -> None:
         """Publish ``snapshot`` on the caller's thread, once the background one is done (start and leave)."""
@@ -171,6 +180,7 @@ class Publisher:
         if snap.model_state is not None:
             Trainer.save(self.state_root, snap, {"run_id": self.run_id})
             self.ledger.prune_applied(snap.version)  # a restart resumes here: older payloads never replay
+            self._saved_at, self.saved_version = time.monotonic(), snap.version
         t1 = time.perf_counter()
         v = snap.version
         raw, body = self.store.manifest(v), self.store.body(v)
@@ -184,8 +194,13 @@ class Publisher:
             for h, c in zip(referenced_hashes(body), chunks, strict=True):
                 self.store.put(h, c)
             raw = encode("CheckpointManifest", body, self.identity)
-        # else: built before a restart from these same saved weights; announce it again
-        self._recent.append((v, hashlib.sha256(data).digest(), snap.weights))
+            self._recent.append((v, hashlib.sha256(data).digest(), snap.weights))
+        elif manifest_body(self.run_id, v, body["parent_version"], data, self.checkpoint_dtype)[0][
+            "chunk_hashes"
+        ] == list(body["chunk_hashes"]):  # built before a restart from these very weights
+            self._recent.append((v, hashlib.sha256(data).digest(), snap.weights))
+        # else: the version a restart found published, made from a later state than the one resumed from:
+        # announced again as it is, and not a base to diff on (its tensors are not these)
         t2 = time.perf_counter()
         self.store.add_manifest(raw, body)
         self.published_version = v
@@ -230,5 +245,6 @@ class Publisher:
             **{f"publish_{k}_s": v for k, v in self.seconds.items()},
             "published_version": self.published_version,
             "published": self.published,
+            "saved_version": self.saved_version,
             "delta_ratio": self.delta_bytes / self.full_bytes if self.full_bytes else None,
         }

@@ -37,6 +37,12 @@ class LearnerSettings:
         "what published checkpoints hold (the samplers' dtype; bfloat16 for real models): the learner keeps "
         "training its float32 copy and publishes its rounding",
     )
+    save_every_s: float = setting(
+        300.0,
+        "save the learner's state (model, optimizer, step) with a published version at most this often, in "
+        "the background; a restart resumes from the last save, replays the batches applied since and goes on "
+        "numbering versions after the newest published (0: save with every published version)",
+    )
     deltas: int = setting(
         4,
         "offer each version also as sparse lossless deltas (protocol/wire/delta.py) against each of this "
@@ -48,6 +54,9 @@ class LearnerSettings:
             check_int(f"learner.{name}", getattr(self, name), 1)
         check_int("learner.max_staleness", self.max_staleness, -1)
         check_int("learner.deltas", self.deltas, 0, 8)
+        e = self.save_every_s
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not e >= 0:
+            raise ValueError(f"learner.save_every_s must be a number >= 0, got {e!r}")
         g = self.grad_clip
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0:
             raise ValueError(f"learner.grad_clip must be a number > 0, got {g!r}")

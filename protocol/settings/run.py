@@ -60,6 +60,7 @@ buffer_batches = 16                # accepted batches kept waiting; beyond it sa
 # gradient_checkpointing = false   # recompute activations in backward: less memory, ~30% more compute
 # checkpoint_dtype = "bfloat16"   # what checkpoints travel as (samplers' dtype); the learner trains float32
 deltas = 4                         # offer each version as sparse deltas against the 4 versions before it
+save_every_s = 300                 # save the learner's state at most this often (0: with every version)
 # tis_cap = 2.0                    # truncated IS against sampler/learner mismatch (fresh rows); absent: off
 
 [sampler]
