@@ -62,6 +62,7 @@ class Sampler:
     """The sampler role on a :class:`~.runtime.PeerRuntime` (which serves its chunk store and beats)."""
 
     STORE_BYTES = 2 << 30  # the chunk store's cap
+    SENDER = TrajectorySender  # what sends the outbox (a test's faulty sampler swaps in a broken one)
 
     def __init__(self, runtime: PeerRuntime, options: SamplerOptions = SamplerOptions()):
         self.rt, self.opt, self.node, self.identity = runtime, options, runtime.node, runtime.identity
@@ -109,7 +110,7 @@ class Sampler:
         log.info("rollouts: %s; prompts: %s", self.status.backend, self.prompts.describe())
         self.rng = random.Random(int.from_bytes(self.identity.public_key[:8], "big") ^ time.time_ns())
         self.outbox = Outbox(self.state_dir / "outbox.sqlite")
-        self.sender = TrajectorySender(self.node, self.outbox, s.run_id, s.learner_keys)
+        self.sender = self.SENDER(self.node, self.outbox, s.run_id, s.learner_keys)
         self.follower = CheckpointFollower(
             self.node,
             self.store,
@@ -121,6 +122,7 @@ class Sampler:
         )
         self.rule = StopRule(self, s.sampler.max_lag, s.learner.publish_every)
         self.gen_lag_max = 0  # the most versions behind the newest known that any batch was started
+        self._sender_task = self._follower_task = None
 
     # ---- checkpoints ----
 
@@ -264,11 +266,12 @@ class Sampler:
         return st
 
     def start(self) -> None:
-        self.rt.spawn(self.sender.run())
-        self._follower_task = self.rt.spawn(self.follower.run())
+        self._sender_task = self.rt.spawn(self.sender.run(), "trajectory sender")
+        self._follower_task = self.rt.spawn(self.follower.run(), "checkpoint follower")
 
     def leave(self) -> None:
-        self._follower_task.cancel()  # a download in progress stops here; its stored chunks serve a restart
+        if self._follower_task is not None:  # a download in progress stops here; its chunks serve a restart
+            self._follower_task.cancel()
         self._write_final_stats()  # now, in case leaving is cut short; again in close() with the drain's acks
         if self.node.daemon_alive():  # else nothing can be sent: leave at once
             self._drain()
@@ -341,9 +344,12 @@ class Sampler:
             log.warning("final stats not written: %s", e)
 
     def _drain(self) -> None:
+        """Give the sender up to ``drain_s`` to send what is queued, unless it died."""
         deadline = time.monotonic() + self.opt.drain_s
-        if len(self.outbox):
-            self.status.state = "sending what is queued before leaving"
-            log.info("sending %d queued batch(es) before leaving", len(self.outbox))
-        while len(self.outbox) and time.monotonic() < deadline:
+        sender = self._sender_task
+        if sender is None or sender.done() or not len(self.outbox):
+            return
+        self.status.state = "sending what is queued before leaving"
+        log.info("sending %d queued batch(es) before leaving", len(self.outbox))
+        while len(self.outbox) and not sender.done() and time.monotonic() < deadline:
             time.sleep(0.1)
