@@ -107,3 +107,46 @@ def test_while_the_main_thread_holds_a_prepared_version_the_follower_waits_on_an
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def test_the_follower_signals_each_change_the_generating_thread_waits_for(monkeypatch):
+    # what the sampler's stop rule reads, at each on_change(): (newest known, fetching, prepared, retry due)
+    data = serialize_state_dict({"w": torch.zeros(4)})
+    body = {"version": 1, "total_size": len(data)}
+    answers = iter([RuntimeError("the DHT is down"), None])  # a failed lookup, then an empty one, then v1
+
+    async def latest(node_, run_id, learner_keys, min_version):
+        answer = next(answers, (b"manifest v1", body))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def fetch(node_, store, raw, **kwargs):
+        return FetchReport(version=1, total_bytes=len(data))
+
+    monkeypatch.setattr(follower_mod, "latest_manifest", latest)
+    monkeypatch.setattr(follower_mod, "fetch_checkpoint", fetch)
+    monkeypatch.setattr(follower_mod, "RETRY_MIN_S", 0.01)
+    seen: list[tuple[int, int | None, bool, bool]] = []
+
+    async def go():
+        ready = asyncio.Event()
+
+        def changed() -> None:
+            seen.append((f.newest, f.fetching, f._ready is not None, f.retry_at > time.monotonic()))
+            if f.fetching is None and f._ready is not None:
+                ready.set()
+
+        store = types.SimpleNamespace(assemble=lambda v: data)
+        f = CheckpointFollower(
+            None, store, SETTINGS, held=lambda: None, batches=lambda: 0, check_every_s=0.01, on_change=changed
+        )
+        task = asyncio.create_task(f.run())
+        await asyncio.wait_for(ready.wait(), 30)
+        task.cancel()
+
+    asyncio.run(go())
+    assert seen[0] == (-1, None, False, True)  # the failed lookup: a retry is due (the rule's "retry in")
+    # the empty lookup changes nothing the thread waits for: no signal; then v1 known and fetched, prepared,
+    # the fetch over
+    assert seen[1:] == [(1, 1, False, False), (1, 1, True, False), (1, None, True, False)]

@@ -265,7 +265,14 @@ class Swarm:
         self.accepted: list[bytes] = []
         self.receiver_kw = receiver_kw
         self.sn = self.net.node(self.sid)
-        self.sender = TrajectorySender(self.sn, self.outbox, RUN, [self.lid.public_key])
+        self.changes: list[tuple[int, int, int, int, int]] = []  # what a waiting sampler sees when woken
+        self.sender = TrajectorySender(
+            self.sn, self.outbox, RUN, [self.lid.public_key], on_change=self._changed
+        )
+
+    def _changed(self) -> None:
+        snd = self.sender
+        self.changes.append((snd.acked, snd.deferred, snd.rejected, snd.failures, len(self.outbox)))
 
     async def start_learner(self, **over):
         self.ln = self.net.node(self.lid)
@@ -428,6 +435,35 @@ def test_no_learner_in_the_dht_keeps_the_batch(swarm):
     async def go():
         assert await swarm.send(_batch(swarm.sid)) == 0
         assert swarm.sender.state == "waiting for a learner" and len(swarm.outbox) == 1
+        await swarm.net.aclose()
+
+    run(go())
+
+
+def test_the_sender_signals_every_outcome_after_counting_it(swarm):
+    async def go():
+        assert await swarm.send(_batch(swarm.sid)) == 0  # no learner in the DHT yet: the batch stays
+        assert swarm.changes == [(0, 0, 0, 0, 1)]
+        await swarm.start_learner()
+        swarm.sender._learners_at = 0.0  # look the learners up again now
+        swarm.outbox.retry_all_now()
+        assert await swarm.sender.send_due() == 1  # an Ack: the outbox has room again
+        swarm.room["open"] = False
+        assert await swarm.send(_batch(swarm.sid)) == 0  # "busy"
+        swarm.outbox.retry_all_now()
+        swarm.room["open"] = True
+        assert await swarm.sender.send_due() == 1
+        assert await swarm.send(_batch(swarm.sid, run_id="another-run")) == 0  # refused for good
+        assert swarm.changes == [
+            (0, 0, 0, 0, 1),
+            (1, 0, 0, 0, 0),
+            (1, 1, 0, 0, 1),
+            (2, 1, 0, 0, 0),
+            (2, 1, 1, 0, 0),
+        ]
+        await swarm.ln.aclose()
+        assert await swarm.send(_batch(swarm.sid)) == 0  # the learner is gone: a failed send
+        assert swarm.changes[-1] == (2, 1, 1, 1, 1)
         await swarm.net.aclose()
 
     run(go())

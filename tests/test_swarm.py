@@ -19,6 +19,7 @@ from heterorl.bench.throughput import swarm_window
 from heterorl.localswarm import stop_all
 from heterorl.protocol import load_or_create_identity
 from heterorl.protocol.storage.ledger import AcceptedLog
+from heterorl.testing.hostile import BROKEN_SENDER_ERROR
 from heterorl.testing.swarm import Swarm
 
 pytestmark = pytest.mark.slow
@@ -159,6 +160,23 @@ def test_a_peer_whose_libp2p_daemon_dies_exits_so_that_its_supervisor_restarts_i
         daemons[0].kill()
         assert proc.p.wait(60) == 1  # not a hang, not a clean exit: a supervisor restarts it
         assert "ERROR heterorl.peer: the libp2p daemon died" in _text(log) and "Traceback" not in _text(log)
+
+
+def test_a_sampler_whose_sender_dies_leaves_and_exits_non_zero_saying_why(swarm):
+    # its sender raises a disk error after its first acknowledged batch: the sampler must not go on
+    # generating (and heartbeating "waiting for the learner") forever, but leave and exit for its supervisor
+    swarm.start_coordinator()
+    swarm.start_learner()
+    sampler = swarm.start_sampler("s0", "--mode", "broken-sender", module="heterorl.testing.hostile")
+    assert sampler.p.wait(240) == 1, swarm.logs()
+    log = _text(swarm.root / "s0" / "sampler.log")
+    reason = f"background task 'trajectory sender' failed: OperationalError: {BROKEN_SENDER_ERROR}"
+    assert f"ERROR heterorl.peer.daemon.supervisor: {reason}\nTraceback" in log, log[-3000:]
+    assert "left: " in log  # it left in order: the role closed its outbox
+    last = log.strip().splitlines()[-1]
+    assert last.endswith(f"ERROR heterorl.peer: the sampler stopped: {reason}"), log[-3000:]
+    final = json.loads((swarm.root / "s0" / "final_stats.json").read_text())
+    assert final["batches_acked"] >= 1 and "before leaving" not in log  # no drain waiting on a dead sender
 
 
 def test_a_restarted_coordinator_whose_known_peers_are_gone_says_so_once_and_serves(swarm):

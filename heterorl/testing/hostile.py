@@ -2,14 +2,16 @@
 
 ``python -m heterorl.testing.hostile --mode MODE <heterorl peer flags>``. Sampler modes (``--role sampler``):
 ``wrong-reward`` (claims reward 1 - true), ``forged`` (a signed byte changed after signing),
-``other-run`` (batches signed for another run id), ``foreign-prompt`` (prompts not from the run's task).
-Learner mode (``--role learner``, with a key the run lists): ``wrong-initial`` (publishes, signed, a
-version 0 whose weights differ from the RunSpec's initial checkpoint).
+``other-run`` (batches signed for another run id), ``foreign-prompt`` (prompts not from the run's task),
+``broken-sender`` (not hostile, faulty: its trajectory sender dies of a disk error after its first
+acknowledged batch). Learner mode (``--role learner``, with a key the run lists): ``wrong-initial``
+(publishes, signed, a version 0 whose weights differ from the RunSpec's initial checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
+import sqlite3
 import sys
 
 import msgpack
@@ -18,13 +20,32 @@ import torch
 from heterorl.peer.daemon import main as peer_main
 from heterorl.peer.daemon.sampler import Sampler
 from heterorl.protocol import decode, encode
+from heterorl.protocol.net.trajectories import TrajectorySender
 
-SAMPLER_MODES = ("wrong-reward", "forged", "other-run", "foreign-prompt")
+SAMPLER_MODES = ("wrong-reward", "forged", "other-run", "foreign-prompt", "broken-sender")
+BROKEN_SENDER_ERROR = "disk I/O error (broken-sender: after its first acknowledged batch)"
 LEARNER_MODES = ("wrong-initial",)
 MODES = SAMPLER_MODES + LEARNER_MODES
 
 
+class BrokenSender(TrajectorySender):
+    """A sender that fails (as on a failing disk) once a learner acknowledged one of its batches."""
+
+    async def send_due(self) -> int:
+        acked = await super().send_due()
+        if self.acked:
+            raise sqlite3.OperationalError(BROKEN_SENDER_ERROR)
+        return acked
+
+
+class BrokenSenderSampler(Sampler):
+    SENDER = BrokenSender
+
+
 def hostile_sampler(mode: str) -> type:
+    if mode == "broken-sender":
+        return BrokenSenderSampler
+
     class Hostile(Sampler):
         def make_batch(self):
             bid, data, tokens = super().make_batch()

@@ -51,7 +51,9 @@ class CheckpointFollower:
     the version; the next fetch starts only then, so at most one prepared state waits in memory and every
     fetch knows which version is generated with meanwhile. Lookups back off while nothing changes (the DHT
     is shared by every peer); failures are logged and retried with backoff, never raised; a manifest whose
-    weights were refused is never fetched again.
+    weights were refused is never fetched again. ``on_change()`` (mostly on the loop: it must not block) is
+    called whenever what the main thread waits on changes: a version prepared, a fetch begun or ended, a newer
+    version known, a retry scheduled, a version refused.
     """
 
     def __init__(
@@ -63,9 +65,10 @@ class CheckpointFollower:
         batches: Callable[[], int],
         check_every_s: float = 0.5,
         check_max_s: float = 5.0,
+        on_change: Callable[[], object] = lambda: None,
     ):
         self.node, self.store, self.settings = node, store, settings
-        self.held, self.batches = held, batches
+        self.held, self.batches, self.on_change = held, batches, on_change
         self.check_every_s, self.check_max_s = check_every_s, max(check_every_s, check_max_s)
         self.newest = -1  # the newest version known (last lookup), -1: none yet
         self.fetching: int | None = None
@@ -97,6 +100,12 @@ class CheckpointFollower:
         self.newest = -1 if held is None else held  # a refused version is not one to be behind of
         keeping = "no checkpoint yet" if held is None else f"keeping version {held}"
         log.error("refused checkpoint version %d: %s; %s", version, why, keeping)
+        self.on_change()
+
+    def _set_newest(self, version: int) -> None:
+        if version != self.newest:
+            self.newest = version
+            self.on_change()
 
     def _have(self) -> int:
         held = self.held()
@@ -118,6 +127,7 @@ class CheckpointFollower:
                 self.failures += 1
                 fail = min(RETRY_MAX_S, max(RETRY_MIN_S, fail * 2))
                 self.retry_at = time.monotonic() + fail
+                self.on_change()
                 log.warning("%s; retrying in %.0f s", e, fail)
                 await asyncio.sleep(fail)
                 continue
@@ -143,21 +153,22 @@ class CheckpointFollower:
         except Exception as e:
             raise RuntimeError(f"checkpoint lookup failed: {type(e).__name__}: {e}") from None
         if found is None:
-            self.newest = have  # nothing newer than what is held
+            self._set_newest(have)  # nothing newer than what is held
             return False
         raw, body = found
         v, digest = body["version"], hashlib.sha256(raw).digest()
         if digest in self.refused:
-            self.newest = have
+            self._set_newest(have)
             return False
-        self.newest = v
-        self.fetching = v
+        self.newest, self.fetching = v, v
+        self.on_change()
         watch = asyncio.ensure_future(self._watch(v))
         try:
             await self._fetch(raw, body, digest)
         finally:
             watch.cancel()
             self.fetching = None
+            self.on_change()
         return True
 
     async def _watch(self, fetching: int) -> None:
@@ -177,7 +188,7 @@ class CheckpointFollower:
                 log.debug("checkpoint lookup during a fetch failed: %s", e)
                 continue
             if found is not None and hashlib.sha256(found[0]).digest() not in self.refused:
-                self.newest = max(self.newest, found[1]["version"])
+                self._set_newest(max(self.newest, found[1]["version"]))
 
     async def _fetch(self, raw: bytes, body: dict, digest: bytes) -> None:
         s, v = self.settings, body["version"]
@@ -224,3 +235,4 @@ class CheckpointFollower:
         with self._lock:
             self._handing = True
             self._ready = prepared
+        self.on_change()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,15 +24,84 @@ log = logging.getLogger(__name__)
 HEARTBEAT_TTL_S = 30.0
 
 
-@dataclasses.dataclass
-class Status:
-    """What the peer is doing now; the daemon updates it, the heartbeat reads it."""
+class _Locked:
+    """A :class:`Status` field read and written under the status's lock (``copy``: a dict, copied both ways,
+    so no caller holds the status's own dict)."""
 
-    state: str = "joining"
-    policy_version: int = -1
-    tokens_per_s: float = 0.0
-    backend: str = ""  # a sampler's rollout engine (``RolloutBackend.describe()``)
-    stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    def __init__(self, copy: bool = False) -> None:
+        self.copy = copy
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = f"_{name}"
+
+    def __get__(self, obj: Status | None, objtype: type | None = None):
+        if obj is None:
+            return self
+        with obj._lock:
+            value = getattr(obj, self.attr)
+        return dict(value) if self.copy else value
+
+    def __set__(self, obj: Status, value) -> None:
+        value = dict(value) if self.copy else value
+        with obj._lock:
+            setattr(obj, self.attr, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusSnapshot:
+    """A :class:`Status` at one instant: what one heartbeat publishes."""
+
+    state: str
+    policy_version: int
+    tokens_per_s: float
+    backend: str
+    stats: dict[str, float]
+
+
+class Status:
+    """What the peer is doing now. Several threads write it (the role's loop its state, the heartbeat's
+    refresh its stats, the runtime "leaving"), so each field is read and written under one lock
+    (``status.state = x`` as ever); :meth:`update` sets several at once, :meth:`snapshot` copies all."""
+
+    state = _Locked()
+    policy_version = _Locked()
+    tokens_per_s = _Locked()
+    backend = _Locked()  # a sampler's rollout engine (``RolloutBackend.describe()``)
+    stats = _Locked(copy=True)
+
+    def __init__(
+        self,
+        state: str = "joining",
+        policy_version: int = -1,
+        tokens_per_s: float = 0.0,
+        backend: str = "",
+        stats: dict[str, float] | None = None,
+    ) -> None:
+        self._lock = threading.Lock()
+        self.update(
+            state=state,
+            policy_version=policy_version,
+            tokens_per_s=tokens_per_s,
+            backend=backend,
+            stats=stats or {},
+        )
+
+    def update(self, **fields) -> None:
+        """Set these fields together (a snapshot sees all of them or none)."""
+        unknown = set(fields) - {f.name for f in dataclasses.fields(StatusSnapshot)}
+        if unknown:
+            raise TypeError(f"Status has no field(s) {sorted(unknown)}")
+        if "stats" in fields:
+            fields["stats"] = dict(fields["stats"])
+        with self._lock:
+            for k, v in fields.items():
+                setattr(self, f"_{k}", v)
+
+    def snapshot(self) -> StatusSnapshot:
+        with self._lock:
+            return StatusSnapshot(
+                self._state, self._policy_version, self._tokens_per_s, self._backend, dict(self._stats)
+            )
 
 
 class Heartbeat:
@@ -51,7 +121,7 @@ class Heartbeat:
         self.failures = 0
         self._last_peers = 0.0
 
-    def body(self, st: Status, maddrs: list[str]) -> dict:
+    def body(self, st: StatusSnapshot, maddrs: list[str]) -> dict:
         return {
             "run_id": self.run_id,
             "role": self.role,
@@ -67,7 +137,8 @@ class Heartbeat:
         }
 
     async def publish_once(self) -> bool:
-        st = await asyncio.to_thread(self.status)  # a sampler's status counts its outbox (sqlite)
+        # off the loop: a sampler's refresh counts its outbox (sqlite); then one consistent copy of it
+        st = await asyncio.to_thread(lambda: self.status().snapshot())
         body = self.body(st, await self.node.addresses())
         ok = await self.node.publish("Heartbeat", body, HEARTBEAT_TTL_S)
         self.published += ok

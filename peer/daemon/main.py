@@ -2,6 +2,8 @@
 
 Ctrl-C or SIGTERM: the sampler stops generating, sends what is queued for a few seconds (the rest stays in its
 on-disk outbox for next time) and leaves; the learner finishes its update, saves and publishes, and leaves.
+Exit status 0 after such a leave; 1 when the peer cannot go on (its libp2p daemon died, a background task or
+thread failed, the role failed: the last log line says why), so that a service manager restarts it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 log = logging.getLogger("heterorl.peer")
@@ -77,10 +78,12 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
     from heterorl.protocol.net.flags import net_config_from_args
     from heterorl.protocol.net.node import DaemonDied
 
+    from .supervisor import BackgroundFailure, StopEvent
+
     state_dir = Path(args.state_dir).expanduser()
     state_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(args.log_level, state_dir / f"{args.role}.log")
-    stop = threading.Event()
+    stop = StopEvent()
 
     def on_signal(signum, _frame):
         if stop.is_set():
@@ -114,6 +117,7 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
         torch.set_num_threads(args.threads)
     hw = detect(args.device)
     log.info("hardware: %s", hw.describe())
+    role_class, options = _role(args, peer_class)
     try:
         joined = join(
             identity, config, state_dir, run_id=args.run_id, run_key=run_key, timeout=args.join_timeout
@@ -124,23 +128,9 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
     log.info("joined run %s as %s; my addresses: %s", joined.spec["run_id"], args.role, joined.node.maddrs)
     upload = args.upload_mbps * 1e6 / 8 if args.upload_mbps > 0 else None
     try:
-        if args.role == "sampler":
-            from .sampler import Sampler, SamplerOptions
-
-            role_class = peer_class or Sampler
-            options = SamplerOptions(
-                args.slowdown,
-                max_batches=args.max_batches,
-                backend=args.backend,
-                engine_dtype=args.engine_dtype,
-                threads=args.threads or None,
-            )
-        else:
-            from .learner import Learner, LearnerOptions
-
-            role_class = peer_class or Learner
-            options = LearnerOptions(max_steps=args.max_steps)
-        runtime = PeerRuntime(
+        # the runtime owns the node from here on and closes it once: in its order of leaving, or on the way
+        # out of this block (a role whose constructor failed)
+        with PeerRuntime(
             joined,
             identity,
             state_dir,
@@ -149,15 +139,34 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
             stop=stop,
             store_bytes=role_class.STORE_BYTES,
             upload_bytes_per_s=upload,
-        )
-        runtime.run(role_class(runtime, options))  # leaves in order, closing the node (runtime.py)
+        ) as runtime:
+            runtime.run(role_class(runtime, options))
+    except BackgroundFailure as e:  # logged with its traceback when it happened; the peer left in order
+        log.error("the %s stopped: %s", args.role, e)
+        return 1
     except (PermissionError, ValueError, DaemonDied) as e:
         log.error("%s", e)
         return 1
     except Exception:
         log.exception("the %s failed", args.role)
         return 1
-    finally:
-        joined.node.close()  # idempotent: here for a role that failed before it ran
     log.info("left the run")
     return 0
+
+
+def _role(args: argparse.Namespace, peer_class: type | None) -> tuple[type, object]:
+    """The role's class (``peer_class`` if given) and its options, from the flags."""
+    if args.role == "sampler":
+        from .sampler import Sampler, SamplerOptions
+
+        options = SamplerOptions(
+            args.slowdown,
+            max_batches=args.max_batches,
+            backend=args.backend,
+            engine_dtype=args.engine_dtype,
+            threads=args.threads or None,
+        )
+        return peer_class or Sampler, options
+    from .learner import Learner, LearnerOptions
+
+    return peer_class or Learner, LearnerOptions(max_steps=args.max_steps)

@@ -1,18 +1,23 @@
 """What every peer runs on, whatever its role: the joined node, the chunk store and its server, the heartbeat,
-the JSONL and final-stats files, the stop event, and the order of leaving.
+the JSONL and final-stats files, the stop event, the supervised background work, and the order of leaving.
 
-``heterorl peer`` (:mod:`.main`) joins, makes a :class:`PeerRuntime`, makes the role on it (the
+``heterorl peer`` (:mod:`.main`) joins, makes a :class:`PeerRuntime` (which owns the joined node from then on:
+use it as a context manager, and the node is closed once, whatever fails), makes the role on it (the
 :class:`~.sampler.Sampler` or the :class:`~.learner.Learner`: its own loop and stats only) and calls
 :meth:`PeerRuntime.run`:
 
-1. the chunk server starts serving the store; the role starts (``role.start()``: its own handlers and
-   background tasks); the heartbeat starts, publishing ``role.refresh_status()`` every few seconds;
-2. ``role.loop()`` runs until the stop event is set (Ctrl-C, SIGTERM) or the role is done;
-3. leaving, in this order: ``role.leave()`` (what must still reach the network while the node's daemon is
-   alive: the sampler sends what is queued, the learner announces its last version), a last heartbeat saying
-   "leaving" (if the daemon is alive), the background tasks cancelled, the node closed (which ends the chunk
-   server and every stream handler), then ``role.close()`` (its local files: outbox, ledger, engine), which
-   nothing on the network can touch any more.
+1. the chunk server starts serving the store; the role starts (``role.start()``: its own handlers, background
+   tasks and threads, through :meth:`PeerRuntime.spawn` and :meth:`PeerRuntime.start_thread`); the heartbeat
+   starts, publishing ``role.refresh_status()`` every few seconds;
+2. ``role.loop()`` runs until the stop event is set (Ctrl-C, SIGTERM, a background task or thread that failed:
+   :mod:`.supervisor`; the libp2p daemon exiting) or the role is done;
+3. leaving, in this order: the stop event set (the role's threads end), ``role.leave()`` (what must still
+   reach the network while the node's daemon is alive: the sampler sends what is queued, the learner
+   announces its last version), the role's threads joined, a last heartbeat saying "leaving" (if the daemon is
+   alive), the background tasks cancelled, the node closed (which ends the chunk server and every stream
+   handler), then ``role.close()`` (its local files: outbox, ledger, engine), which nothing on the network can
+   touch any more. If background work failed, :meth:`PeerRuntime.run` then raises
+   :class:`~.supervisor.BackgroundFailure` saying which and why (``heterorl peer`` exits non-zero with it).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import concurrent.futures
 import json
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Protocol
 
@@ -34,10 +39,12 @@ from heterorl.protocol.storage.store import ChunkStore
 
 from .hardware import Hardware
 from .heartbeat import Heartbeat, Status
+from .supervisor import BackgroundFailure, StopEvent, Supervisor, Wakeup
 
 log = logging.getLogger(__name__)
 
 LAST_HEARTBEAT_TIMEOUT_S = 10.0
+THREADS_JOIN_TIMEOUT_S = 30.0  # the role's threads, once it left: they watch the stop event
 
 
 class Role(Protocol):
@@ -55,8 +62,12 @@ class Role(Protocol):
 
 
 class PeerRuntime:
-    """One peer's node, chunk store and server, status and heartbeat, state files and stop event; the roles
-    use them, and :meth:`run` starts and ends them (module docstring)."""
+    """One peer's node, chunk store and server, status and heartbeat, state files, stop event and supervisor;
+    the roles use them, and :meth:`run` starts and ends them (module docstring).
+
+    Owns ``joined.node`` from construction on (a constructor that fails closes it): the one owner that closes
+    it, in :meth:`run`'s order or at the end of a ``with`` block, whichever comes first.
+    """
 
     def __init__(
         self,
@@ -66,21 +77,33 @@ class PeerRuntime:
         hardware: Hardware,
         role_name: str,
         *,
-        stop: threading.Event | None = None,
+        stop: StopEvent | None = None,
         store_bytes: int,
         upload_bytes_per_s: float | None = None,
     ):
         """``role_name``: "sampler" or "learner" (the heartbeat says it); ``store_bytes``: the chunk store's
         cap; ``upload_bytes_per_s``: cap on the checkpoint bytes this peer serves (None: no cap)."""
         self.joined, self.node, self.identity = joined, joined.node, identity
-        self.settings = RunSettings.from_spec(joined.spec)
-        self.state_dir, self.hw, self.role_name = state_dir, hardware, role_name
-        self.stop = stop if stop is not None else threading.Event()
-        self.status = Status()
-        self.store = ChunkStore(state_dir / "chunks", max_bytes=store_bytes)
-        self.server = ChunkServer(self.store, upload_bytes_per_s)
+        self._closed = False
+        try:
+            self.settings = RunSettings.from_spec(joined.spec)
+            self.state_dir, self.hw, self.role_name = state_dir, hardware, role_name
+            self.stop = stop if stop is not None else StopEvent()
+            self.supervisor = Supervisor(self.stop)
+            self.status = Status()
+            self.store = ChunkStore(state_dir / "chunks", max_bytes=store_bytes)
+            self.server = ChunkServer(self.store, upload_bytes_per_s)
+        except BaseException:
+            self.close()
+            raise
         self.heartbeat: Heartbeat | None = None
         self._tasks: list[concurrent.futures.Future] = []
+
+    def __enter__(self) -> PeerRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- for the roles ----
 
@@ -89,11 +112,27 @@ class PeerRuntime:
         self.node.check_daemon()
         return not self.stop.is_set()
 
-    def spawn(self, coro: Coroutine) -> concurrent.futures.Future:
-        """Run ``coro`` on the node's loop until the role has left (cancelled after the last heartbeat)."""
-        task = self.node.spawn(coro)
+    def spawn(
+        self, coro: Coroutine, name: str | None = None, *, forever: bool = True
+    ) -> concurrent.futures.Future:
+        """Run ``coro`` on the node's loop, supervised (:mod:`.supervisor`), until the role has left (it is
+        cancelled after the last heartbeat). ``name`` (default: the coroutine's): what a failure is reported
+        as. ``forever``: returning before the peer leaves is a failure (False: a job that may end)."""
+        name = name or getattr(coro, "__qualname__", "task")
+        task = self.node.spawn(self.supervisor.task(name, coro, forever=forever))
         self._tasks.append(task)
         return task
+
+    def start_thread(self, name: str, fn: Callable[[], object], *, forever: bool = True) -> threading.Thread:
+        """Run ``fn()`` in a supervised daemon thread named ``name`` (:mod:`.supervisor`). It must watch the
+        stop event (set when the peer leaves) and return once it is set: the runtime joins it after
+        ``role.leave()``, before the node closes and ``role.close()`` closes the role's files. ``forever``:
+        returning before the peer leaves is a failure."""
+        return self.supervisor.start_thread(name, fn, forever=forever)
+
+    def wakeup(self) -> Wakeup:
+        """A wake-up for a role's thread that waits for producers' signals; the stop event sets it too."""
+        return Wakeup(self.stop)
 
     def append_jsonl(self, name: str, row: dict) -> None:
         """One line of ``STATE_DIR/name`` (``metrics.jsonl``, ``versions.jsonl``)."""
@@ -107,27 +146,43 @@ class PeerRuntime:
     # ---- the life of a peer ----
 
     def run(self, role: Role) -> None:
-        """Serve, start ``role``, beat, run its loop, then leave in order (module docstring)."""
-        self.node.call(self.server.attach(self.node))
-        role.start()
-        self.heartbeat = Heartbeat(
-            self.node,
-            self.settings.run_id,
-            self.role_name,
-            self.hw.describe(),
-            role.refresh_status,
-            self.state_dir,
-        )
-        self.spawn(self.heartbeat.run())
+        """Serve, start ``role``, beat, run its loop, then leave in order (module docstring); raises
+        BackgroundFailure after leaving if a supervised task or thread failed."""
         try:
+            self.node.call(self.server.attach(self.node))
+            self.spawn(self._watch_daemon(), "libp2p daemon watch", forever=False)
+            role.start()
+            self.heartbeat = Heartbeat(
+                self.node,
+                self.settings.run_id,
+                self.role_name,
+                self.hw.describe(),
+                role.refresh_status,
+                self.state_dir,
+            )
+            self.spawn(self.heartbeat.run(), "heartbeat")
             role.loop()
         finally:
             self._leave(role, self.heartbeat)
+        if self.supervisor.failure is not None:
+            raise BackgroundFailure(self.supervisor.failure)
 
-    def _leave(self, role: Role, heartbeat: Heartbeat) -> None:
+    async def _watch_daemon(self) -> None:
+        """Set the stop event once the libp2p daemon exits, so that a role waiting on its wake-up finds out at
+        once (``running()`` then raises DaemonDied)."""
+        await self.node.daemon_exited()
+        self.stop.set()
+
+    def _leave(self, role: Role, heartbeat: Heartbeat | None) -> None:
+        self.stop.set()  # the peer is leaving: whatever watches the stop event ends
         try:
-            role.leave()
-            if self.node.daemon_alive():  # else nothing can be sent
+            try:
+                role.leave()
+            finally:  # before the node closes and the role's files with it
+                stuck = self.supervisor.join_threads(THREADS_JOIN_TIMEOUT_S)
+                if stuck:
+                    log.warning("leaving with thread(s) still running: %s", ", ".join(stuck))
+            if heartbeat is not None and self.node.daemon_alive():  # else nothing can be sent
                 self.status.state = "leaving"
                 try:
                     self.node.call(heartbeat.publish_once(), timeout=LAST_HEARTBEAT_TIMEOUT_S)
@@ -140,5 +195,8 @@ class PeerRuntime:
             role.close()
 
     def close(self) -> None:
-        """Close the node (and with it the chunk server and every handler). Idempotent."""
+        """Close the node (and with it the chunk server and every handler); the first call does it."""
+        if self._closed:
+            return
+        self._closed = True
         self.node.close()

@@ -6,9 +6,11 @@ main thread swaps the prepared version in between batches (the engine lives ther
 filling the outbox with data nobody wants (``heterorl simulate --background-fetch`` found outboxes full of
 batches ~80 versions old without them): generation pauses while the sampler is more than ``sampler.max_lag``
 versions behind the newest it knows of, and while the learner answers "busy"; the heartbeat's state says
-which, and ``paused_behind_s`` / ``paused_busy_s`` count it. The sampler serves every chunk it holds; its
-outbox on disk keeps unsent batches across learner outages and its own restarts. A slow peer is welcome:
-its batches carry the policy version they were sampled with, and the learner uses stale data.
+which, and ``paused_behind_s`` / ``paused_busy_s`` count it (:mod:`.stop_rule`). While it may not generate
+the main thread sleeps on a wake-up that the follower and the sender set whenever what it waits for changes
+(and the stop event too), not on a poll. The sampler serves every chunk it holds; its outbox on disk keeps
+unsent batches across learner outages and its own restarts. A slow peer is welcome: its batches carry the
+policy version they were sampled with, and the learner uses stale data.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .follower import CheckpointFollower
 from .hardware import rows_that_fit
 from .heartbeat import Status
 from .runtime import PeerRuntime
-from .stop_rule import PAUSE_POLL_S, StopRule
+from .stop_rule import Limits, SamplerView, StopRule, lag
 from .weights import resolve_model
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class Sampler:
     """The sampler role on a :class:`~.runtime.PeerRuntime` (which serves its chunk store and beats)."""
 
     STORE_BYTES = 2 << 30  # the chunk store's cap
+    SENDER = TrajectorySender  # what sends the outbox (a test's faulty sampler swaps in a broken one)
 
     def __init__(self, runtime: PeerRuntime, options: SamplerOptions = SamplerOptions()):
         self.rt, self.opt, self.node, self.identity = runtime, options, runtime.node, runtime.identity
@@ -109,7 +112,8 @@ class Sampler:
         log.info("rollouts: %s; prompts: %s", self.status.backend, self.prompts.describe())
         self.rng = random.Random(int.from_bytes(self.identity.public_key[:8], "big") ^ time.time_ns())
         self.outbox = Outbox(self.state_dir / "outbox.sqlite")
-        self.sender = TrajectorySender(self.node, self.outbox, s.run_id, s.learner_keys)
+        self._wake = runtime.wakeup()  # set by the sender and the follower on every change the loop waits for
+        self.sender = self.SENDER(self.node, self.outbox, s.run_id, s.learner_keys, on_change=self._wake.set)
         self.follower = CheckpointFollower(
             self.node,
             self.store,
@@ -118,9 +122,11 @@ class Sampler:
             lambda: self.batches,
             options.check_every_s,
             options.check_max_s,
+            on_change=self._wake.set,
         )
-        self.rule = StopRule(self, s.sampler.max_lag, s.learner.publish_every)
+        self.rule = StopRule(Limits(s.sampler.max_lag, s.learner.publish_every, options.max_pending))
         self.gen_lag_max = 0  # the most versions behind the newest known that any batch was started
+        self._sender_task = self._follower_task = None
 
     # ---- checkpoints ----
 
@@ -242,11 +248,25 @@ class Sampler:
 
     # ---- the role ----
 
+    def view(self) -> SamplerView:
+        """This sampler, its follower and its sender now, as the stop rule reads them."""
+        f, snd = self.follower, self.sender
+        return SamplerView(
+            held=self.version,
+            newest=f.newest,
+            fetching=f.fetching,
+            retry_in=max(0.0, f.retry_at - time.monotonic()),
+            last_refused=f.last_refused,
+            busy_replies=snd.deferred,
+            other_outcomes=snd.acked + snd.rejected + snd.failures,
+            busy_for=snd.learner_busy_for(),
+            sender_state=snd.state,
+            outbox=len(self.outbox),
+        )
+
     def refresh_status(self) -> Status:
-        st = self.status
-        st.policy_version = -1 if self.version is None else self.version
         f = self.follower
-        st.stats = {
+        stats = {
             "batches_made": self.batches,
             "outbox": len(self.outbox),
             "loaded_versions": len(self.loaded),
@@ -254,21 +274,23 @@ class Sampler:
             "newest_version": f.newest,
             "fetching_version": -1 if f.fetching is None else f.fetching,
             "fetch_failures": f.failures,
-            "lag": self.rule.lag(),
+            "lag": lag(self.view(), self.rule.limits.publish_every),
             "gen_lag_max": self.gen_lag_max,
             "paused_behind_s": round(self.rule.paused_s["behind"], 1),
             "paused_busy_s": round(self.rule.paused_s["busy"], 1),
             **{k.split("/")[-1]: v for k, v in self.sender.stats().items()},
             **{k.split("/")[-1]: v for k, v in self.rt.server.stats().items()},
         }
-        return st
+        self.status.update(policy_version=-1 if self.version is None else self.version, stats=stats)
+        return self.status
 
     def start(self) -> None:
-        self.rt.spawn(self.sender.run())
-        self._follower_task = self.rt.spawn(self.follower.run())
+        self._sender_task = self.rt.spawn(self.sender.run(), "trajectory sender")
+        self._follower_task = self.rt.spawn(self.follower.run(), "checkpoint follower")
 
     def leave(self) -> None:
-        self._follower_task.cancel()  # a download in progress stops here; its stored chunks serve a restart
+        if self._follower_task is not None:  # a download in progress stops here; its chunks serve a restart
+            self._follower_task.cancel()
         self._write_final_stats()  # now, in case leaving is cut short; again in close() with the drain's acks
         if self.node.daemon_alive():  # else nothing can be sent: leave at once
             self._drain()
@@ -292,32 +314,20 @@ class Sampler:
         while self.rt.running():
             if self.opt.max_batches is not None and self.batches >= self.opt.max_batches:
                 return
+            self._wake.clear()  # before looking: a change signalled from now on ends the wait below
             self._maybe_switch()
-            if self.version is None:
-                f = self.follower
-                self.status.state = (
-                    f"fetching version {f.fetching}"
-                    if f.fetching is not None
-                    else f"waiting for a checkpoint (refused version {f.last_refused})"
-                    if f.last_refused is not None
-                    else "waiting for a checkpoint"
-                )
-                stop.wait(PAUSE_POLL_S)
-                continue
-            pause = self.rule.reason()
-            if pause is not None:
-                self.rule.pause(*pause)
+            view = self.view()
+            decision = self.rule.decide(view)
+            if decision.wait is not None:  # no checkpoint yet, behind, learner busy, outbox full
+                self.status.state = decision.state
+                self.rule.wait(decision, self._wake.wait)
                 continue
             self.rule.resume()
-            if len(self.outbox) >= self.opt.max_pending:
-                self.status.state = f"waiting for the learner ({self.sender.state})"
-                stop.wait(PAUSE_POLL_S)
-                continue
             fetching = self.follower.fetching
             self.status.state = f"generating with version {self.version}" + (
                 f"; fetching {fetching}" if fetching is not None else ""
             )
-            self.gen_lag_max = max(self.gen_lag_max, self.rule.lag())
+            self.gen_lag_max = max(self.gen_lag_max, lag(view, self.rule.limits.publish_every))
             t = time.perf_counter()
             bid, data, tokens = self.make_batch()
             dt = time.perf_counter() - t
@@ -341,9 +351,16 @@ class Sampler:
             log.warning("final stats not written: %s", e)
 
     def _drain(self) -> None:
+        """Give the sender up to ``drain_s`` to send what is queued (woken at each outcome) unless it died."""
         deadline = time.monotonic() + self.opt.drain_s
-        if len(self.outbox):
-            self.status.state = "sending what is queued before leaving"
-            log.info("sending %d queued batch(es) before leaving", len(self.outbox))
-        while len(self.outbox) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        sender = self._sender_task
+        if sender is None or sender.done() or not len(self.outbox):
+            return
+        self.status.state = "sending what is queued before leaving"
+        log.info("sending %d queued batch(es) before leaving", len(self.outbox))
+        while not sender.done():
+            self._wake.clear()
+            left = deadline - time.monotonic()
+            if not len(self.outbox) or left <= 0:
+                return
+            self._wake.wait(left, stoppable=False)  # the stop event is set: the peer is leaving

@@ -251,6 +251,15 @@ class Node:
                 "other threads"
             )
 
+    async def daemon_exited(self) -> None:
+        """Return once the go-libp2p daemon process exits (a watch for :meth:`check_daemon`); never for a
+        daemon this node did not start."""
+        self._require_loop("daemon_exited")
+        child = getattr(self.p2p, "_child", None)  # hivemind keeps its process private (daemon_alive)
+        if child is None:
+            await asyncio.get_running_loop().create_future()
+        await child.wait()
+
     async def refresh_addresses(self) -> list[str]:
         """Ask the daemon for our visible addresses now (e.g. after a relay reservation) and cache them;
         returns them without the /p2p suffix, like :meth:`addresses`."""

@@ -192,7 +192,9 @@ class TrajectorySender:
     """Sampler side: drain the outbox to the run's learners; retry, back off and obey flow control.
 
     Run :meth:`run` as a node-owned task (``node.spawn(sender.run())``); call :meth:`notify` after putting
-    into the outbox to wake it. ``learners`` overrides the DHT lookup (tests).
+    into the outbox to wake it. ``learners`` overrides the DHT lookup (tests). ``on_change()`` is called on
+    the loop after each batch's outcome (Ack, Reject, a failed send, no learner to send to), so a sampler
+    waiting for room in its outbox or for the learner's word wakes then (it must not block).
     """
 
     def __init__(
@@ -204,8 +206,9 @@ class TrajectorySender:
         *,
         learners: list[LearnerAddress] | None = None,
         request_timeout: float = 30.0,
+        on_change: Callable[[], object] = lambda: None,
     ):
-        self.node, self.outbox, self.run_id = node, outbox, run_id
+        self.node, self.outbox, self.run_id, self.on_change = node, outbox, run_id, on_change
         self.learner_keys = list(learner_keys)
         self._fixed = learners
         self.request_timeout = request_timeout
@@ -261,11 +264,15 @@ class TrajectorySender:
             if not learners:
                 self.state = "waiting for a learner"
                 await asyncio.to_thread(self.outbox.retry, item.batch_id)
+                self.on_change()
                 continue
             learner = learners[self._next % len(learners)]
             self._next += 1
             self.state = "sending"
-            acked += await self._send_one(learner, item.batch_id, item.data, item.created_at)
+            try:
+                acked += await self._send_one(learner, item.batch_id, item.data, item.created_at)
+            finally:
+                self.on_change()
         return acked
 
     async def _send_one(
