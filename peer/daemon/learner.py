@@ -27,7 +27,6 @@ import collections
 import dataclasses
 import json
 import logging
-import threading
 import time
 
 from heterorl.protocol import decode
@@ -314,13 +313,9 @@ class Learner:
     def start(self) -> None:
         self.status.state = f"publishing version {self.step}"
         self._publish_now(with_state=False)  # version 0 (or the step resumed at) before anyone can sample
-        self._threads = [
-            threading.Thread(target=self.publisher.run, name="publisher", daemon=True),
-            threading.Thread(target=self.assembler.run, name="assembler", daemon=True),
-            threading.Thread(target=self._close_on_stop, name="stop-watch", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self.rt.start_thread("checkpoint publisher", self.publisher.run)
+        self.rt.start_thread("batch assembler", self.assembler.run)
+        self.rt.stop.on_set(self.assembler.close)  # wakes the training thread waiting for its next batch
         self.node.call(self.receiver.attach(self.node))
         log.info(
             "learning: run %s, objective %s, step %d",
@@ -328,10 +323,6 @@ class Learner:
             self.settings.objective,
             self.step,
         )
-
-    def _close_on_stop(self) -> None:
-        self.rt.stop.wait()
-        self.assembler.close()  # wakes the training thread waiting for its next batch
 
     def loop(self) -> None:
         waited = 0.0

@@ -35,26 +35,32 @@ RETURNED = "returned while the peer was running (it is to run until the peer lea
 
 
 class StopEvent(threading.Event):
-    """A peer's stop event: :meth:`set` also sets every :class:`Wakeup` made from it."""
+    """A peer's stop event: :meth:`set` also sets every :class:`Wakeup` made from it and calls every callback
+    given to :meth:`on_set`."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._linked: list[threading.Event] = []
+        self._callbacks: list[Callable[[], object]] = []
         self._link_lock = threading.Lock()
 
     def set(self) -> None:
         super().set()
         with self._link_lock:
-            linked = list(self._linked)
-        for event in linked:
-            event.set()
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            callback()
+
+    def on_set(self, callback: Callable[[], object]) -> None:
+        """Call ``callback()`` (on the setting thread; it must not block) whenever this is set (now, if it
+        already is): e.g. close a queue a thread waits on."""
+        with self._link_lock:
+            self._callbacks.append(callback)
+        if self.is_set():
+            callback()
 
     def link(self, event: threading.Event) -> None:
         """Set ``event`` whenever this is set (now, if it already is)."""
-        with self._link_lock:
-            self._linked.append(event)
-        if self.is_set():
-            event.set()
+        self.on_set(event.set)
 
 
 class Wakeup:
