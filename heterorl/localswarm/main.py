@@ -19,6 +19,8 @@ from .report import curve_line, render, summarise, view_of
 
 log = logging.getLogger("heterorl.localswarm")
 
+SAMPLER_NICE = 10
+
 
 def run(args: argparse.Namespace) -> int:
     from heterorl.peer.model import TINY_MODEL_DIR, ensure_model
@@ -89,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
             procs.append(
                 Proc(
                     f"sampler-{i}",
-                    [*common, "--state-dir", str(d), "--slowdown", str(slow), "--backend", backend],
+                    # below the learner: on one machine, samplers take the CPU the learner leaves
+                    [*common, "--state-dir", str(d), "--slowdown", str(slow), "--backend", backend, "--nice",
+                     str(SAMPLER_NICE)],  # fmt: skip
                     out / f"sampler-{i}.stderr.log",
                 )
             )

@@ -43,6 +43,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: a GPU if any")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run at a lower CPU priority, N steps as nice(1) counts them (also the session's autogroup on "
+        "Linux, which nice alone does not reach), so the peer takes only CPU nothing else wants (default: 0)",
+    )
+    ap.add_argument(
         "--backend",
         choices=("auto", "hf", "vllm"),
         default="auto",
@@ -115,6 +123,10 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is every thread?
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.nice:
+        from .priority import lower_process_priority
+
+        log.info("CPU priority lowered to nice %d", lower_process_priority(args.nice))
     hw = detect(args.device)
     log.info("hardware: %s", hw.describe())
     role_class, options = _role(args, peer_class)

@@ -46,6 +46,7 @@ from heterorl.protocol.wire.identity import Identity
 from ..learner.device_delta import device_delta
 from ..learner.trainer import Snapshot, Trainer
 from .announcer import Announcer
+from .priority import lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,11 @@ RETRY_ANNOUNCE_S = 5.0  # while idle, an announce the DHT refused is tried again
 # while idle, the newest version is announced again this often: its provider record lives an hour in the
 # DHT (protocol/net/dht.py MAX_TTL_S), and a newcomer to a run whose learner paused must still find it
 REANNOUNCE_S = 1200.0
+# a delta over this share of the full version is offered against the newest base only: older bases' deltas are
+# larger still and save little, while diffing and compressing each costs CPU (every float32 word moves each
+# update, e.g. the tiny model's 40 % deltas; bf16 roundings of a real model's update: 1-2 %)
+MAX_OLDER_DELTA_SHARE = 0.25
+PUBLISHER_NICE = 5  # the publisher thread's priority below the training thread's (Linux)
 
 
 class Publisher:
@@ -140,6 +146,7 @@ class Publisher:
 
     def run(self) -> None:
         """Publish what is offered until closed (the thread's body); an error here stops the learner."""
+        lower_thread_priority(PUBLISHER_NICE)  # the training thread comes first for the CPU
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending is not None or self._closed, self._retry_in())
@@ -217,7 +224,8 @@ class Publisher:
         published versions, so a peer up to that many versions behind still fetches one delta; returns their
         chunks. A base this publisher still holds is diffed on the tensors' device (the GPU of a GPU learner:
         only the changed words come to the CPU); another is read back from the store and diffed there. A
-        base gone from the store, or a delta that would not save half the bytes, is skipped."""
+        base gone from the store is skipped; a delta that would not save half the bytes ends the list, and
+        one over ``MAX_OLDER_DELTA_SHARE`` of them is the last."""
         newest_first = sorted(older, reverse=True)
         held = {v: (sha, tensors) for v, sha, tensors in self._recent}
         order = file_order(data)
@@ -232,11 +240,13 @@ class Publisher:
                 log.info("version %d: no delta against version %d: %s", body["version"], base, e)
                 continue
             if len(delta) > len(data) // 2:
-                continue
+                break  # an older base differs more: its delta would be no smaller
             if base == newest_first[0]:
                 self.delta_bytes += len(delta)
                 self.full_bytes += len(data)
             chunks += add_delta(body, base, delta, DELTA_CODEC)
+            if len(delta) > len(data) * MAX_OLDER_DELTA_SHARE:
+                break  # deltas this large save little: older bases (larger still) are not worth the CPU
         return chunks
 
     def stats(self) -> dict[str, float]:
