@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from heterorl.protocol.settings import RunConfig, load_run_config
+from heterorl.protocol.settings import Run, RunConfig, add_set_flag, load_run_config, overrides_of
 from heterorl.protocol.storage.files import atomic_write
 
 log = logging.getLogger("heterorl.coordinator")
@@ -34,6 +34,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--run-config", default=None, help="run.toml (needed on first start; see --example-config)"
     )
+    add_set_flag(ap, RunConfig)  # over --run-config's settings
     ap.add_argument("--example-config", action="store_true", help="print an example run.toml and exit")
     ap.add_argument(
         "--state-dir", default="~/.heterorl/coordinator", help="RunSpec, key, view (default: %(default)s)"
@@ -51,7 +52,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 # (run config, model cache dir) -> (initial checkpoint hash, vocab size, base hash of an adapter run): loads
 # the model once. The peer side implements it (heterorl.peer.daemon.weights.initial_state); the CLI passes it
 # in, so the coordinator needs no torch of its own.
-InitialState = Callable[[RunConfig, Path], "tuple[bytes, int, bytes | None]"]
+InitialState = Callable[[Run, Path], "tuple[bytes, int, bytes | None]"]
 
 
 def _sign_spec(args: argparse.Namespace, state_dir: Path, identity, initial_state: InitialState) -> bytes:
@@ -65,19 +66,26 @@ def _sign_spec(args: argparse.Namespace, state_dir: Path, identity, initial_stat
         if author != identity.public_key:
             raise ValueError(f"{stored} was signed by another key than {args.key or 'this coordinator'}'s")
         log.info("resuming run %s with its stored RunSpec (%s)", body["run_id"], stored)
-        if args.run_config:
+        if args.run_config or overrides_of(args):
             log.info(
-                "--run-config ignored: a run's spec does not change; use a new --state-dir for a new run"
+                "--run-config and --set ignored: a run's spec does not change; use a new --state-dir for a "
+                "new run"
             )
         return raw
     if not args.run_config:
         raise ValueError("first start needs --run-config run.toml (heterorl coordinator --example-config)")
-    cfg = load_run_config(args.run_config)
+    cfg = load_run_config(args.run_config, overrides_of(args))
     initial, vocab_size, base = initial_state(cfg, state_dir / "models")
     body = cfg.runspec_body(initial, vocab_size, base_hash=base)
     raw = encode("RunSpec", body, identity)
     atomic_write(stored, raw)
-    log.info("new run %s: model %s, task %s, objective %s", cfg.run_id, cfg.model, cfg.task, cfg.objective)
+    log.info(
+        "new run %s: model %s, task %s, objective %s",
+        cfg.run_id,
+        cfg.model.path,
+        cfg.task.name,
+        cfg.objective.name,
+    )
     if cfg.adapter is not None:
         log.info("adapter run: LoRA %s on base sha256 %s", cfg.adapter, base.hex())
     return raw

@@ -53,39 +53,20 @@ def _train(args: argparse.Namespace) -> int:
         )
         return 2
     from heterorl.peer.daemon.hardware import detect
-    from heterorl.peer.model import ensure_model
     from heterorl.peer.train import OneProcessConfig, run_one_process
-    from heterorl.protocol.settings import parse_adapter_flag
+    from heterorl.protocol.settings import Run, from_overrides, overrides_of
 
     try:
-        device = detect(args.device).device
-        obj_params = json.loads(args.objective_params) if args.objective_params else {}
         cfg = OneProcessConfig(
-            model=ensure_model(args.model, args.seed),
-            task=args.task,
-            task_params=json.loads(args.task_params),
-            objective=args.objective,
-            advantage=args.advantage,
+            run=from_overrides(Run, overrides_of(args)),
             steps=args.steps,
-            prompts_per_step=args.prompts,
-            group_size=args.group_size,
             delay=args.delay,
-            lr=args.lr,
-            temperature=args.temperature,
-            max_new_tokens=args.max_new_tokens,
-            top_p=args.top_p,
             seed=args.seed,
             backend=args.backend,
             engine_dtype=args.engine_dtype,
-            chat=args.chat,
-            tis_cap=args.tis_cap,
-            micro_batch_tokens=args.micro_batch_tokens,
-            gradient_checkpointing=args.gradient_checkpointing,
-            objective_params=obj_params,
-            adapter=parse_adapter_flag(args.adapter) if args.adapter else None,
-            device=device,
+            device=detect(args.device).device,
         )
-    except (ValueError, RuntimeError, json.JSONDecodeError) as e:
+    except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary = run_one_process(cfg, args.out)
@@ -174,34 +155,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="train a policy with RL")
     tr.add_argument("--local", action="store_true", help="sample, reward and learn in this one process")
-    tr.add_argument(
-        "--model",
-        default=DEFAULT_MODEL_DIR,
-        help="HF model path or hub id (default: the tiny model, built if missing)",
-    )
     from heterorl.protocol.settings import (
-        ADAPTER_FLAG_HELP,
         ADVANTAGES,
         CHAT_MODES,
         CHECKPOINT_DTYPES,
         OBJECTIVES,
-        LearnerSettings,
-        RunConfig,
+        Run,
+        add_adapter_flag,
         add_flag,
-        default_of,
+        add_set_flag,
     )
 
-    add_flag(tr, RunConfig, "task")
-    add_flag(tr, RunConfig, "task_params", default=json.dumps(default_of(RunConfig, "task_params")))
-    add_flag(tr, RunConfig, "objective", choices=list(OBJECTIVES))
-    add_flag(tr, RunConfig, "objective_params", default="")
-    add_flag(tr, RunConfig, "advantage", choices=ADVANTAGES)
+    add_flag(tr, Run, "model.path")  # --model
+    add_flag(tr, Run, "task.name")  # --task
+    add_flag(tr, Run, "task.params")  # --task-params
+    add_flag(tr, Run, "objective.name", choices=list(OBJECTIVES))  # --objective
+    add_flag(tr, Run, "objective.params")  # --objective-params
+    add_flag(tr, Run, "objective.advantage", choices=ADVANTAGES)  # --advantage
     tr.add_argument("--steps", type=int, default=200, help="learner updates (default: %(default)s)")
-    add_flag(tr, LearnerSettings, "prompts_per_update", "--prompts")
-    add_flag(tr, LearnerSettings, "group_size")
+    add_flag(tr, Run, "learner.prompts_per_update", "--prompts")
+    add_flag(tr, Run, "learner.group_size")
     tr.add_argument("--delay", type=int, default=0, help="rollouts come from the policy K versions old")
-    for name in ("lr", "temperature", "max_new_tokens", "top_p"):
-        add_flag(tr, RunConfig, name)
+    for path in ("objective.lr", "sampling.temperature", "sampling.max_new_tokens", "sampling.top_p"):
+        add_flag(tr, Run, path)
     tr.add_argument(
         "--backend",
         choices=("hf", "vllm"),
@@ -217,11 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
         "inference/training mismatch",
     )
     tr.add_argument("--device", **DEVICE_FLAG)
-    add_flag(tr, RunConfig, "chat", choices=CHAT_MODES)
-    add_flag(tr, LearnerSettings, "tis_cap", type=float)
-    add_flag(tr, LearnerSettings, "micro_batch_tokens", type=int)
-    add_flag(tr, LearnerSettings, "gradient_checkpointing")
-    tr.add_argument("--adapter", default=None, metavar="SPEC", help=ADAPTER_FLAG_HELP)
+    add_flag(tr, Run, "model.chat", choices=CHAT_MODES)  # --chat
+    for path in ("learner.tis_cap", "learner.micro_batch_tokens", "learner.gradient_checkpointing"):
+        add_flag(tr, Run, path)
+    add_adapter_flag(tr)
+    add_set_flag(tr, Run)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", default="runs/local", help="metrics.jsonl, summary.json, checkpoint/")
     tr.set_defaults(fn=_train)

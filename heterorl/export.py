@@ -126,14 +126,14 @@ def export(
         weights = read_learner_state(state_dir, settings)
     else:
         weights = read_version(state_dir, settings, version)
-    base_dir = resolve_model(settings.model, state_dir / "models")
-    log.info("run %s, model %s: %s", settings.run_id, settings.model, describe(weights))
+    base_dir = resolve_model(settings.model.path, state_dir / "models")
+    log.info("run %s, model %s: %s", settings.run_id, settings.model.path, describe(weights))
     state = full_state(weights, settings, base_dir)
     target = dtype or own_dtype(state)
     provenance = {
         "run_id": settings.run_id,
         "run_key": run_key.hex(),
-        "model": settings.model,
+        "model": settings.model.path,
         "source": weights.kind,
         ("step" if weights.kind == "learner-state" else "version"): weights.number,
         **weights.provenance,

@@ -11,7 +11,7 @@ import torch
 
 from heterorl.peer.learner.update import StepOptions
 from heterorl.peer.train import OneProcessConfig, PolicyLag, run_one_process
-from heterorl.protocol.settings import RunConfig, RunSettings
+from heterorl.protocol.settings import Run, RunConfig, RunSettings, from_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,10 @@ def test_policy_lag_serves_k_versions_old():
 
 
 def test_run_local_writes_outputs_and_tracks_staleness(tiny_model_dir, tmp_path):
-    cfg = OneProcessConfig(model=str(tiny_model_dir), steps=5, prompts_per_step=4, group_size=4, delay=2)
+    run = from_overrides(
+        Run, {"model.path": str(tiny_model_dir), "learner.prompts_per_update": 4, "learner.group_size": 4}
+    )
+    cfg = OneProcessConfig(run, steps=5, delay=2)
     summary = run_one_process(cfg, tmp_path, progress=False)
     for key in ("objective", "delay", "steps", "reward_curve"):
         assert key in summary
@@ -48,29 +51,30 @@ def test_run_local_writes_outputs_and_tracks_staleness(tiny_model_dir, tmp_path)
 
 @pytest.mark.slow
 def test_gepo_reward_rises(tiny_model_dir, tmp_path):
-    cfg = OneProcessConfig(model=str(tiny_model_dir), steps=80, seed=0)
+    cfg = OneProcessConfig(from_overrides(Run, {"model.path": str(tiny_model_dir)}), steps=80, seed=0)
     curve = run_one_process(cfg, tmp_path, progress=False)["reward_curve"]
     assert sum(curve[-20:]) / 20 > sum(curve[:20]) / 20 + 0.05
 
 
 def test_bad_config_is_rejected():
     with pytest.raises(ValueError, match="unknown objective"):
-        OneProcessConfig(model="x", objective="nope")
+        from_overrides(Run, {"objective.name": "nope"})
     with pytest.raises(ValueError, match="delay"):
-        OneProcessConfig(model="x", delay=-1)
+        OneProcessConfig(delay=-1)
     with pytest.raises(ValueError, match="grad_clip"):  # checked as run.toml's [learner] is
-        OneProcessConfig(model="x", grad_clip=0)
+        from_overrides(Run, {"learner.grad_clip": 0})
     with pytest.raises(ValueError, match="device must be cpu or cuda"):
-        OneProcessConfig(model="x", device="auto")  # the CLI resolves auto; the loop takes a device
+        OneProcessConfig(device="auto")  # the CLI resolves auto; the loop takes a device
+    with pytest.raises(ValueError, match="hf backend"):
+        OneProcessConfig(from_overrides(Run, {"adapter.rank": 4}), backend="vllm")
 
 
 def test_the_loop_defaults_to_a_runs_settings_and_updates_as_the_learner_does():
     run = RunConfig(run_id="r", learner_keys=("ab" * 32,))
     settings = RunSettings.from_spec(run.runspec_body(b"\x01" * 32, 40))
-    cfg = OneProcessConfig(model="x")
-    assert StepOptions.from_settings(cfg) == StepOptions.from_settings(settings)
-    assert (cfg.lr, cfg.top_p, cfg.chat, cfg.task_params) == (run.lr, run.top_p, run.chat, run.task_params)
-    assert (cfg.prompts_per_step, cfg.group_size) == (run.learner.prompts_per_update, run.learner.group_size)
+    cfg = OneProcessConfig()
+    assert cfg.run == run.as_run() == settings.as_run()  # one tree, one set of defaults
+    assert StepOptions.from_settings(cfg.run) == StepOptions.from_settings(settings)
 
 
 def test_cli_help_and_errors(tmp_path):
@@ -122,9 +126,8 @@ def test_cli_train_on_cuda_without_a_gpu_says_so(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 def test_the_loop_trains_and_samples_on_cuda(tiny_model_dir, tmp_path):
-    cfg = OneProcessConfig(
-        model=str(tiny_model_dir), steps=3, prompts_per_step=2, group_size=4, device="cuda"
-    )
+    run = {"model.path": str(tiny_model_dir), "learner.prompts_per_update": 2, "learner.group_size": 4}
+    cfg = OneProcessConfig(from_overrides(Run, run), steps=3, device="cuda")
     seen = []
     summary = run_one_process(
         cfg, tmp_path, progress=False, on_update=lambda _s, policy, _st: seen.append(policy.device.type)

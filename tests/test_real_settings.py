@@ -17,7 +17,7 @@ KEY = "ab" * 32
 def test_chat_mode_travels_in_the_runspec_and_is_validated():
     cfg = parse_run_config({"learner_keys": [KEY], "model": {"chat": "off"}})
     body = cfg.runspec_body(b"\0" * 32, 100)
-    assert RunSettings.from_spec(body).chat == "off"
+    assert RunSettings.from_spec(body).model.chat == "off"
     with pytest.raises(ValueError, match="model.chat"):
         parse_run_config({"learner_keys": [KEY], "model": {"chat": "maybe"}})
 

@@ -49,22 +49,21 @@ def _label(objective: str, defensive: bool) -> str:
 
 def _run_one(model: str, objective: str, defensive: bool, delay: int, seed: int, args, out: Path) -> dict:
     from heterorl.peer.train import OneProcessConfig, run_one_process
+    from heterorl.protocol.settings import Run, from_overrides
 
     d = out / "runs" / f"{_label(objective, defensive)}-d{delay}-s{seed}"
     done = d / "summary.json"
     if not done.exists():
         params = {"defensive_sampling": defensive} if objective == "gepo" else {}
-        cfg = OneProcessConfig(
-            model=model,
-            objective=objective,
-            steps=args.steps,
-            prompts_per_step=args.prompts,
-            group_size=args.group_size,
-            delay=delay,
-            lr=args.lr,
-            seed=seed,
-            objective_params=params,
-        )
+        run = {
+            "model.path": model,
+            "objective.name": objective,
+            "objective.params": params,
+            "objective.lr": args.lr,
+            "learner.prompts_per_update": args.prompts,
+            "learner.group_size": args.group_size,
+        }
+        cfg = OneProcessConfig(from_overrides(Run, run), steps=args.steps, delay=delay, seed=seed)
         run_one_process(cfg, d, progress=False)
     summary = json.loads(done.read_text())
     rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]

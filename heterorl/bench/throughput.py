@@ -151,29 +151,30 @@ def steady_rate(ends: list[float], warmup: int, per_step: float = 1.0) -> float:
 
 
 def local_config(args, model: str, objective: str, backend: str = "hf") -> dict:
-    """The ``OneProcessConfig`` fields of ``heterorl train --local`` on the benchmark's configuration."""
-    return {
-        "model": model,
-        "objective": objective,
-        "steps": args.steps,
-        "prompts_per_step": args.prompts,
-        "group_size": args.group_size,
-        "max_new_tokens": args.max_new_tokens,
-        "lr": args.lr,
-        "seed": 0,
-        "backend": backend,
-        "chat": args.chat,
-        "micro_batch_tokens": args.micro_batch_tokens,
-        "device": args.device,
+    """``heterorl train --local`` on the benchmark's configuration, as JSON (a child process reads it):
+    ``run``, the run's settings by path, and the loop's own OneProcessConfig fields."""
+    run = {
+        "model.path": model,
+        "model.chat": args.chat,
+        "objective.name": objective,
+        "objective.lr": args.lr,
+        "learner.prompts_per_update": args.prompts,
+        "learner.group_size": args.group_size,
+        "learner.micro_batch_tokens": args.micro_batch_tokens,
+        "sampling.max_new_tokens": args.max_new_tokens,
     }
+    return {"run": run, "steps": args.steps, "seed": 0, "backend": backend, "device": args.device}
 
 
 def ours_local(local: dict, out: Path, warmup: int) -> tuple[float, float]:
-    """``heterorl train --local`` with ``local`` (OneProcessConfig fields): (steady steps/s, mean length)."""
+    """``heterorl train --local`` with ``local`` (:func:`local_config`): (steady steps/s, mean length)."""
     from heterorl.peer.train import OneProcessConfig, run_one_process
+    from heterorl.protocol.settings import Run, from_overrides
 
+    loop = {k: v for k, v in local.items() if k != "run"}
+    cfg = OneProcessConfig(from_overrides(Run, local["run"]), **loop)
     t0 = time.perf_counter()
-    run_one_process(OneProcessConfig(**local), out, progress=False)
+    run_one_process(cfg, out, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rate = steady_rate([t0 + r["time_s"] for r in rows], warmup)
     return rate, statistics.fmean(r["completion_len/mean"] for r in rows)

@@ -306,8 +306,8 @@ def run_vllm_child(spec: dict, out: Path, timeout: float = 3600) -> dict:
 
 def vllm_sides(spec: dict) -> dict:
     """``spec``: model, threads, prompt_ids, and any of ``rollout`` (max_new_tokens, repeats), ``switch``
-    (repeats, out) and ``rl`` (local: OneProcessConfig fields, out, warmup). ``{"unavailable": reason}`` if
-    vLLM cannot serve the model here."""
+    (repeats, out) and ``rl`` (local: :func:`~.throughput.local_config`, out, warmup).
+    ``{"unavailable": reason}`` if vLLM cannot serve the model here."""
     import torch
 
     from heterorl.peer.rollout.vllm import unsupported_reason

@@ -167,6 +167,7 @@ class VersionMeter:
 
 def bench_model(name: str, path: str, runs: list[tuple[float, int]], seed: int) -> dict:
     from heterorl.peer.train.one_process import OneProcessConfig, run_one_process
+    from heterorl.protocol.settings import Run, from_overrides
 
     p = DEFAULTS[name]
     out = []
@@ -174,17 +175,16 @@ def bench_model(name: str, path: str, runs: list[tuple[float, int]], seed: int) 
         shape = f"{p.prompts} prompts x {p.group}, {p.new_tokens} new tokens"
         _say(f"  {name}, lr {lr:g}: {updates} RL updates ({shape})")
         meter = VersionMeter(lr)
-        cfg = OneProcessConfig(
-            model=path,
-            task_params=p.task_params,
-            steps=updates,
-            prompts_per_step=p.prompts,
-            group_size=p.group,
-            lr=lr,
-            max_new_tokens=p.new_tokens,
-            chat=p.chat,
-            seed=seed,
-        )
+        run = {
+            "model.path": path,
+            "model.chat": p.chat,
+            "task.params": p.task_params,
+            "objective.lr": lr,
+            "learner.prompts_per_update": p.prompts,
+            "learner.group_size": p.group,
+            "sampling.max_new_tokens": p.new_tokens,
+        }
+        cfg = OneProcessConfig(from_overrides(Run, run), steps=updates, seed=seed)
         with tempfile.TemporaryDirectory(prefix="heterorl-bench-weights-") as tmp:
             run_one_process(cfg, tmp, progress=False, on_update=meter, save_checkpoint=False)
         out.append(meter.summary())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -11,9 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from heterorl.protocol.settings import parse_adapter_flag
-
-from .options import apply_real_preset, run_toml
+from .options import apply_real_preset, local_model, run_of, run_toml
 from .procs import Proc, ready_line, stop_all
 from .report import curve_line, render, summarise, view_of
 
@@ -23,7 +22,6 @@ SAMPLER_NICE = 10
 
 
 def run(args: argparse.Namespace) -> int:
-    from heterorl.peer.model import TINY_MODEL_DIR, ensure_model
     from heterorl.protocol import load_or_create_identity
 
     if args.real:
@@ -32,8 +30,7 @@ def run(args: argparse.Namespace) -> int:
         print("error: --samplers must be >= 1", file=sys.stderr)
         return 2
     try:
-        if args.adapter:
-            parse_adapter_flag(args.adapter)
+        settings = run_of(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -44,14 +41,17 @@ def run(args: argparse.Namespace) -> int:
         log.info("clearing the previous local run in %s", out)
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    model = ensure_model(args.model or TINY_MODEL_DIR, 0)
-    if Path(model).exists():  # children may run elsewhere: give them an absolute path
-        model = str(Path(model).resolve())
+    model = local_model(settings)
+    settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, path=model))
     learner_dir = out / "learner"
     learner_dir.mkdir()
     learner_key, _ = load_or_create_identity(learner_dir / "peer.key")
-    run_id = f"local-{int(time.time())}"
-    (out / "run.toml").write_text(run_toml(args, model, learner_key.public_key.hex(), run_id))
+    try:
+        text = run_toml(settings, learner_key.public_key.hex(), f"local-{int(time.time())}")
+    except ValueError as e:  # a value TOML cannot hold (a null in --task-params)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    (out / "run.toml").write_text(text)
     procs: list[Proc] = []
     started = time.monotonic()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # leave through `finally`: stop the children

@@ -1,23 +1,26 @@
-"""``heterorl local``'s flags, the ``--real`` preset, and the run.toml it writes from them."""
+"""``heterorl local``'s flags, the ``--real`` preset, and the run.toml it writes from them: the run's
+settings are read by the one settings parser from the preset, the setting flags and ``--set``."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import logging
 from pathlib import Path
 
 from heterorl.protocol.settings import (
-    ADAPTER_FLAG_HELP,
     CHECKPOINT_DTYPES,
     OBJECTIVES,
-    AdapterSettings,
-    LearnerSettings,
+    TINY_MODEL,
+    Run,
     RunConfig,
-    SamplerSettings,
+    add_adapter_flag,
     add_flag,
-    default_of,
-    parse_adapter_flag,
+    add_set_flag,
+    apply_overrides,
+    dump_run_config,
+    from_overrides,
+    overrides_of,
 )
 
 log = logging.getLogger("heterorl.localswarm")
@@ -53,100 +56,83 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "and run a short swarm with a vLLM sampler on the chat-format arithmetic task (flags you give "
         "still win)",
     )
-    add_flag(ap, RunConfig, "objective", choices=list(OBJECTIVES))
-    add_flag(ap, RunConfig, "task")
-    add_flag(ap, RunConfig, "task_params", default=json.dumps(default_of(RunConfig, "task_params")))
-    add_flag(ap, RunConfig, "temperature")
-    for name in ("prompts_per_update", "group_size"):
-        add_flag(ap, LearnerSettings, name)
-    add_flag(ap, SamplerSettings, "prompts_per_batch")
-    add_flag(ap, LearnerSettings, "publish_every")
-    add_flag(ap, RunConfig, "lr")
-    add_flag(ap, RunConfig, "max_new_tokens")
-    add_flag(ap, LearnerSettings, "micro_batch_tokens", type=int)
-    add_flag(ap, LearnerSettings, "checkpoint_dtype", choices=CHECKPOINT_DTYPES)
-    ap.add_argument(
-        "--no-deltas", action="store_true", help="publish every version in full only (no sparse deltas)"
+    add_flag(ap, Run, "model.path")  # --model
+    add_flag(ap, Run, "objective.name", choices=list(OBJECTIVES))  # --objective
+    add_flag(ap, Run, "task.name")  # --task
+    add_flag(ap, Run, "task.params")  # --task-params
+    add_flag(ap, Run, "sampling.temperature")
+    for path in ("learner.prompts_per_update", "learner.group_size", "sampler.prompts_per_batch"):
+        add_flag(ap, Run, path)
+    add_flag(ap, Run, "learner.publish_every")
+    add_flag(ap, Run, "objective.lr")  # --lr
+    add_flag(ap, Run, "sampling.max_new_tokens")
+    add_flag(ap, Run, "learner.micro_batch_tokens")
+    add_flag(ap, Run, "learner.checkpoint_dtype", choices=CHECKPOINT_DTYPES)
+    add_flag(
+        ap,
+        Run,
+        "learner.deltas",
+        "--no-deltas",
+        action="store_const",
+        const=0,
+        help="publish every version in full only (no sparse deltas)",
     )
-    ap.add_argument("--model", default=None, help="model path or hub id (default: the tiny model)")
-    ap.add_argument("--adapter", default=None, metavar="SPEC", help=ADAPTER_FLAG_HELP)
+    add_adapter_flag(ap)
+    add_set_flag(ap, Run)
     ap.add_argument("--dashboard-port", type=int, default=0, help="0 picks a free port")
     ap.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
     ap.add_argument("--no-view", action="store_true", help="log lines instead of the live terminal view")
 
 
 REAL_MODEL_DIR = "runs/models/smollm2-135m-instruct"
-# `--real`: SmolLM2-135M-Instruct on 2 CPU cores in ~10 minutes. A flag the user gives wins over these.
-REAL_PRESET = {
-    "model": REAL_MODEL_DIR,
-    "samplers": 1,
-    "sampler_backends": ["vllm"],
-    "steps": 15,
-    "task_params": '{"digits": 1, "style": "question"}',
-    "prompts_per_update": 8,
-    "group_size": 4,
-    "prompts_per_batch": 2,
-    "max_new_tokens": 16,
-    "lr": 5e-6,
-    "micro_batch_tokens": 2048,
-    "checkpoint_dtype": "bfloat16",  # what samplers run; versions then travel as sparse bf16 deltas
-    "out": "runs/demo-real",
+# `--real`: SmolLM2-135M-Instruct on 2 CPU cores in ~10 minutes. A flag the user gives wins over these: the
+# options where left at their defaults, the settings as the data the flags and --set are applied onto.
+REAL_PRESET = {"samplers": 1, "sampler_backends": ["vllm"], "steps": 15, "out": "runs/demo-real"}
+REAL_SETTINGS = {
+    "model.path": REAL_MODEL_DIR,
+    "task.params": {"digits": 1, "style": "question"},
+    "learner.prompts_per_update": 8,
+    "learner.group_size": 4,
+    "sampler.prompts_per_batch": 2,
+    "sampling.max_new_tokens": 16,
+    "objective.lr": 5e-6,
+    "learner.micro_batch_tokens": 2048,
+    "learner.checkpoint_dtype": "bfloat16",  # what samplers run; versions then travel as sparse bf16 deltas
 }
 
 
 def apply_real_preset(args: argparse.Namespace) -> None:
-    """Set every ``REAL_PRESET`` option the user left at its default; import SmolLM2 if it is missing."""
+    """Set every ``REAL_PRESET`` option the user left at its default."""
     ap = argparse.ArgumentParser()
     add_arguments(ap)
     for key, value in REAL_PRESET.items():
         if getattr(args, key) == ap.get_default(key):
             setattr(args, key, value)
-    if args.model == REAL_MODEL_DIR and not (Path(REAL_MODEL_DIR) / "config.json").exists():
+
+
+def run_of(args: argparse.Namespace) -> Run:
+    """The run the command line asks for: the ``--real`` settings if asked, then the setting flags and
+    ``--set``; ValueError naming a bad setting."""
+    data = apply_overrides({}, REAL_SETTINGS) if args.real else {}
+    return from_overrides(Run, overrides_of(args), data)
+
+
+def local_model(run: Run) -> str:
+    """The model every process loads: an absolute path where it is a directory here (children may run
+    elsewhere), the tiny model built once and shared, SmolLM2 imported if ``--real`` wants it."""
+    from heterorl.peer.model import TINY_MODEL_DIR, ensure_model
+
+    path = TINY_MODEL_DIR if run.model.path == TINY_MODEL else run.model.path
+    if path == REAL_MODEL_DIR and not (Path(REAL_MODEL_DIR) / "config.json").exists():
         from heterorl.peer.model.importer import import_smollm2
 
         log.info("importing SmolLM2-135M-Instruct into %s (once)", REAL_MODEL_DIR)
         import_smollm2(REAL_MODEL_DIR, "float32")
+    path = ensure_model(path, 0)
+    return str(Path(path).resolve()) if Path(path).exists() else path
 
 
-def run_toml(args: argparse.Namespace, model: str, learner_key: str, run_id: str) -> str:
-    return f"""run_id = "{run_id}"
-learner_keys = ["{learner_key}"]
-
-[model]
-path = "{model}"
-
-[task]
-name = "{args.task}"
-params = {_toml_table(json.loads(args.task_params))}
-
-[objective]
-name = "{args.objective}"
-lr = {args.lr}
-
-[sampling]
-temperature = {args.temperature}
-max_new_tokens = {args.max_new_tokens}
-
-[learner]
-prompts_per_update = {args.prompts_per_update}
-group_size = {args.group_size}
-publish_every = {args.publish_every}
-{f"micro_batch_tokens = {args.micro_batch_tokens}" if args.micro_batch_tokens else ""}
-checkpoint_dtype = "{args.checkpoint_dtype}"
-deltas = {0 if args.no_deltas else default_of(LearnerSettings, "deltas")}
-
-[sampler]
-prompts_per_batch = {args.prompts_per_batch}
-{_adapter_toml(parse_adapter_flag(args.adapter)) if args.adapter else ""}"""
-
-
-def _adapter_toml(a: AdapterSettings) -> str:
-    return (
-        f"\n[adapter]\nrank = {a.rank}\nalpha = {a.alpha}\n"
-        f"target_modules = {json.dumps(list(a.target_modules))}\n"
-    )
-
-
-def _toml_table(d: dict) -> str:
-    """An inline TOML table of JSON-like scalars (``json.dumps`` quotes strings the way TOML wants)."""
-    return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in d.items()) + " }"
+def run_toml(run: Run, learner_key: str, run_id: str) -> str:
+    """run.toml of ``run`` with its identity, every setting written out."""
+    sections = {f.name: getattr(run, f.name) for f in dataclasses.fields(Run)}
+    return dump_run_config(RunConfig(**sections, run_id=run_id, learner_keys=(learner_key,)))

@@ -90,7 +90,7 @@ class Learner:
             )
         state_dir = self.state_dir = runtime.state_dir
         self.hw, self.status, self.store = runtime.hw, runtime.status, runtime.store
-        model, self.tok = load_model(resolve_model(s.model, state_dir / "models"), device=self.hw.device)
+        model, self.tok = load_model(resolve_model(s.model.path, state_dir / "models"), device=self.hw.device)
         if s.adapter is not None:  # LoRA on the frozen base the run names
             model = adapter.for_training(model, s.adapter, s.learner.checkpoint_dtype)
         self.trainer = Trainer(
@@ -99,10 +99,10 @@ class Learner:
         if self.trainer.restore(state_dir / "state") is None:
             if weights_hash(self.checkpoint_bytes()) != s.initial_checkpoint:
                 raise ValueError(
-                    f"the weights of {s.model} here differ from the RunSpec's initial checkpoint; "
+                    f"the weights of {s.model.path} here differ from the RunSpec's initial checkpoint; "
                     "the learner must start from the model the coordinator signed"
                 )
-            log.info("starting fresh from %s", s.model)
+            log.info("starting fresh from %s", s.model.path)
         else:
             log.info("resumed from my own state at step %d", self.step)
         saved_step = self.step
@@ -110,7 +110,7 @@ class Learner:
         self.ledger = AcceptedLog(state_dir / "accepted.sqlite")
         self.buffer = TrajectoryBuffer(s.learner.buffer_batches)
         self.reward_check = RewardCheck(
-            get_task(s.task, **s.task_params), self.tok, prompts=PromptFormat(self.tok, s.chat)
+            get_task(s.task.name, **s.task.params), self.tok, prompts=PromptFormat(self.tok, s.model.chat)
         )
         self.admission = Admission(
             [("rows", self._check_rows), ("staleness", self._check_staleness), ("reward", self.reward_check)]
@@ -163,7 +163,7 @@ class Learner:
     # ---- intake (the receiver's pool threads) ----
 
     def _check_rows(self, body: dict, _author: bytes) -> str | None:
-        n, most = len(body["rows"]), self.settings.max_batch_rows
+        n, most = len(body["rows"]), self.settings.limits.max_batch_rows
         return f"{n} rows exceed the run's {most}" if n > most else None
 
     def _check_staleness(self, body: dict, _author: bytes) -> str | None:
@@ -320,7 +320,7 @@ class Learner:
         log.info(
             "learning: run %s, objective %s, step %d",
             self.settings.run_id,
-            self.settings.objective,
+            self.settings.objective.name,
             self.step,
         )
 

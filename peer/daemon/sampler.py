@@ -75,16 +75,18 @@ class Sampler:
         self.tokens = 0
         self.loaded: list[int] = []
         s = self.settings
-        self.model_dir = resolve_model(s.model, self.state_dir / "models")
+        self.model_dir = resolve_model(s.model.path, self.state_dir / "models")
         self.tok = load_tokenizer(self.model_dir)
         config = load_config(self.model_dir)
         if config.vocab_size != s.vocab_size:
-            raise ValueError(f"model {s.model} has vocab {config.vocab_size}, the run says {s.vocab_size}")
-        self.prompts = PromptFormat(self.tok, s.chat)
-        self.task = get_task(s.task, **s.task_params)
-        self.sampling = SamplingParams(s.temperature, s.top_p, s.max_new_tokens)
+            raise ValueError(
+                f"model {s.model.path} has vocab {config.vocab_size}, the run says {s.vocab_size}"
+            )
+        self.prompts = PromptFormat(self.tok, s.model.chat)
+        self.task = get_task(s.task.name, **s.task.params)
+        self.sampling = SamplingParams(s.sampling.temperature, s.sampling.top_p, s.sampling.max_new_tokens)
         rows = s.sampler.prompts_per_batch * s.learner.group_size
-        self.gen_rows = min(rows, rows_that_fit(self.hw, config, 64 + s.max_new_tokens))
+        self.gen_rows = min(rows, rows_that_fit(self.hw, config, 64 + s.sampling.max_new_tokens))
         self.engine_dtype = (
             options.engine_dtype
             if options.engine_dtype != "auto"
@@ -92,14 +94,16 @@ class Sampler:
             if self.hw.device == "cuda"
             else "float32"
         )
-        max_len = getattr(config, "max_position_embeddings", None) or MAX_PROMPT_TOKENS + s.max_new_tokens
+        max_len = (
+            getattr(config, "max_position_embeddings", None) or MAX_PROMPT_TOKENS + s.sampling.max_new_tokens
+        )
         self._engine = {
             "device": self.hw.device,
             "dtype": self.engine_dtype,
             "memory_bytes": self.hw.memory_bytes,
             "threads": options.threads,
             "max_rows": rows,
-            "max_model_len": min(max_len, MAX_PROMPT_TOKENS + s.max_new_tokens),
+            "max_model_len": min(max_len, MAX_PROMPT_TOKENS + s.sampling.max_new_tokens),
         }
         wrap = self._adapter_wrapper()
         self.backend = ResilientBackend(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from heterorl.protocol.settings import TINY_MODEL, RunConfig
+from heterorl.protocol.settings import TINY_MODEL, Run
 from heterorl.protocol.wire.checkpoint import deserialize_state_dict, serialize_state_dict
 
 log = logging.getLogger(__name__)
@@ -68,12 +68,12 @@ def load_weights(model: torch.nn.Module, data: bytes) -> None:
     model.load_state_dict(state)
 
 
-def initial_state(cfg: RunConfig, cache_dir: Path) -> tuple[bytes, int, bytes | None]:
+def initial_state(cfg: Run, cache_dir: Path) -> tuple[bytes, int, bytes | None]:
     """What a new RunSpec names: the hash of version 0 (the weights in the checkpoint dtype, or for an adapter
     run the initial adapter), the vocabulary size, and for an adapter run the base weights' hash."""
     from heterorl.peer.model import load_model
 
-    model, _tok = load_model(resolve_model(cfg.model, cache_dir))
+    model, _tok = load_model(resolve_model(cfg.model.path, cache_dir))
     vocab_size = model.config.vocab_size
     if cfg.adapter is None:
         return weights_hash(weights_bytes(model, cfg.learner.checkpoint_dtype)), vocab_size, None

@@ -29,34 +29,16 @@ import dataclasses
 import sys
 import time
 from collections.abc import Iterator
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from heterorl.protocol.settings import LearnerSettings
+from heterorl.protocol.settings import TIS_PARAMS, Run
 
 from .. import objectives
 from ..model import completion_logprobs
 from ..model.logprobs import model_device
 from .rows import Rows
-
-TIS_PARAMS = ("tis_cap", "tis_logp", "tis_rows")  # set by the learner, never by objective_params
-
-
-class UpdateSettings(Protocol):
-    """What :meth:`StepOptions.from_settings` reads: a peer's
-    :class:`~heterorl.protocol.settings.RunSettings`, or the one-process loop's ``OneProcessConfig``."""
-
-    objective: str
-    advantage: str | None
-    objective_params: dict
-    lr: float
-    temperature: float
-    max_new_tokens: int
-
-    @property
-    def learner(self) -> LearnerSettings: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +66,16 @@ class StepOptions:
             )
 
     @classmethod
-    def from_settings(cls, s: UpdateSettings) -> StepOptions:
-        ls = s.learner
+    def from_settings(cls, run: Run) -> StepOptions:
+        """From a run's settings: a peer's RunSettings, or the one-process loop's ``OneProcessConfig.run``."""
+        obj, ls = run.objective, run.learner
         return cls(
-            objective=s.objective,
-            advantage=s.advantage,
-            objective_params=dict(s.objective_params),
-            temperature=s.temperature,
-            max_new_tokens=s.max_new_tokens,
-            lr=s.lr,
+            objective=obj.name,
+            advantage=obj.advantage,
+            objective_params=dict(obj.params),
+            temperature=run.sampling.temperature,
+            max_new_tokens=run.sampling.max_new_tokens,
+            lr=obj.lr,
             grad_clip=ls.grad_clip,
             micro_batch_tokens=ls.micro_batch_tokens,
             gradient_checkpointing=ls.gradient_checkpointing,

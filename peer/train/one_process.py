@@ -8,12 +8,12 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from heterorl.protocol.settings import AdapterSettings, LearnerSettings, RunConfig, default_of
+from heterorl.protocol.settings import TINY_MODEL, Run, to_dict
 from heterorl.protocol.storage.files import atomic_write_json
 from heterorl.protocol.wire.checkpoint import serialize_state_dict
 
@@ -21,8 +21,8 @@ from .. import objectives
 from ..learner.rows import Rows
 from ..learner.trainer import Trainer
 from ..learner.update import StepOptions
-from ..model import adapter, load_model
-from ..model.prompts import CHAT_MODES, PromptFormat
+from ..model import TINY_MODEL_DIR, adapter, ensure_model, load_model
+from ..model.prompts import PromptFormat
 from ..rollout import SamplingParams, make_backend
 from ..tasks import get_task
 from .policy_lag import PolicyLag
@@ -30,74 +30,29 @@ from .policy_lag import PolicyLag
 log = logging.getLogger(__name__)
 
 
-def _run_default(name: str):
-    """run.toml's default of setting ``name`` (:class:`RunConfig`)."""
-    return default_of(RunConfig, name)
-
-
-def _learner_default(name: str):
-    """run.toml's default of ``[learner]`` setting ``name``."""
-    return default_of(LearnerSettings, name)
-
-
 @dataclass(frozen=True)
 class OneProcessConfig:
-    """Settings of one local run (CLI flags map one to one); the defaults are a run's (protocol.settings)."""
+    """One local run: the run's settings (the swarm's tree, :class:`~heterorl.protocol.settings.Run`) and the
+    loop's own. ``run.model.path`` "tiny" is the offline tiny model, built where it is missing."""
 
-    model: str
-    task: str = _run_default("task")
-    task_params: dict = field(default_factory=lambda: _run_default("task_params"))
-    objective: str = _run_default("objective")
-    advantage: str | None = _run_default("advantage")  # None = the objective's own estimator
-    steps: int = 200
-    prompts_per_step: int = _learner_default("prompts_per_update")
-    group_size: int = _learner_default("group_size")
-    delay: int = 0
-    lr: float = _run_default("lr")
-    temperature: float = _run_default("temperature")
-    top_p: float = _run_default("top_p")
-    max_new_tokens: int = _run_default("max_new_tokens")
-    grad_clip: float = _learner_default("grad_clip")
+    run: Run = field(default_factory=Run)
+    steps: int = 200  # learner updates
+    delay: int = 0  # rollouts come from the policy this many versions old
     seed: int = 0
-    backend: str = "hf"
-    engine_dtype: str = "float32"
-    chat: str = _run_default("chat")
-    # truncated IS against the engine/learner mismatch (Yao et al. 2025)
-    tis_cap: float | None = _learner_default("tis_cap")
-    micro_batch_tokens: int | None = _learner_default("micro_batch_tokens")
-    gradient_checkpointing: bool = _learner_default("gradient_checkpointing")
-    objective_params: dict = field(default_factory=lambda: _run_default("objective_params"))
-    # LoRA on the frozen base (hf rollouts); None: full fine-tuning
-    adapter: AdapterSettings | None = _run_default("adapter")
+    backend: str = "hf"  # rollout engine: hf | vllm
+    engine_dtype: str = "float32"  # the rollout engine's dtype (the learner trains a float32 master)
     device: str = "cpu"  # where the policy trains and the hf backend generates: cpu or cuda (vLLM: its own)
 
-    @property
-    def learner(self) -> LearnerSettings:
-        """The ``[learner]`` settings this loop's update uses (:meth:`StepOptions.from_settings`)."""
-        return LearnerSettings(
-            prompts_per_update=self.prompts_per_step,
-            group_size=self.group_size,
-            grad_clip=self.grad_clip,
-            micro_batch_tokens=self.micro_batch_tokens,
-            gradient_checkpointing=self.gradient_checkpointing,
-            tis_cap=self.tis_cap,
-        )
-
     def __post_init__(self) -> None:
-        objectives.default_advantage(self.objective)  # validates the name
-        for name in ("steps", "prompts_per_step", "group_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        self.learner  # noqa: B018  (validates grad_clip, tis_cap, micro_batch_tokens like run.toml's)
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.delay < 0:
             raise ValueError(f"delay must be >= 0, got {self.delay}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.backend not in ("hf", "vllm"):
             raise ValueError(f"backend must be hf or vllm, got {self.backend!r}")
-        if self.chat not in CHAT_MODES:
-            raise ValueError(f"chat must be one of {', '.join(CHAT_MODES)}, got {self.chat!r}")
-        if self.adapter is not None and self.backend != "hf":
+        if self.run.adapter is not None and self.backend != "hf":
             raise ValueError("adapter runs in the local loop use the hf backend (the swarm's samplers: any)")
 
 
@@ -117,22 +72,25 @@ def run_one_process(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    run = cfg.run
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    policy, tok = load_model(cfg.model, device=cfg.device)
+    model_path = ensure_model(TINY_MODEL_DIR if run.model.path == TINY_MODEL else run.model.path, cfg.seed)
+    policy, tok = load_model(model_path, device=cfg.device)
     checkpoint_bytes = len(serialize_state_dict(adapter.base_state(policy)))
-    if cfg.adapter is not None:
-        policy = adapter.wrap(policy, cfg.adapter)
+    if run.adapter is not None:
+        policy = adapter.wrap(policy, run.adapter)
         checkpoint_bytes = len(adapter.adapter_bytes(policy))
-    prompts_fmt = PromptFormat(tok, cfg.chat)
+    prompts_fmt = PromptFormat(tok, run.model.chat)
     behaviour = copy.deepcopy(policy) if cfg.delay and cfg.backend == "hf" else policy
     lag = PolicyLag(policy, behaviour, cfg.delay)
-    task = get_task(cfg.task, **cfg.task_params)
-    rows_per_step = cfg.prompts_per_step * cfg.group_size
+    task = get_task(run.task.name, **run.task.params)
+    prompts, group = run.learner.prompts_per_update, run.learner.group_size
+    rows_per_step = prompts * group
     threads = torch.get_num_threads()
     backend = make_backend(
         cfg.backend,
-        cfg.model,
+        model_path,
         tok,
         dtype=cfg.engine_dtype,
         model=behaviour,
@@ -142,9 +100,9 @@ def run_one_process(
     )
     log.info("rollouts: %s; prompts: %s", backend.describe(), prompts_fmt.describe())
     engine_version = 0 if cfg.backend == "hf" or cfg.engine_dtype == "float32" else -1
-    sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+    sampling = SamplingParams(run.sampling.temperature, run.sampling.top_p, run.sampling.max_new_tokens)
     trainer = Trainer(
-        policy, StepOptions.from_settings(cfg), tok.pad_token_id, adapter=cfg.adapter is not None
+        policy, StepOptions.from_settings(run), tok.pad_token_id, adapter=run.adapter is not None
     )
     trainable = [p for p in policy.parameters() if p.requires_grad]
 
@@ -152,7 +110,7 @@ def run_one_process(
     if on_update is not None:
         on_update(-1, policy, {})
     t0 = time.perf_counter()
-    bar = tqdm(range(cfg.steps), desc=f"{cfg.objective} delay={cfg.delay}", disable=not progress)
+    bar = tqdm(range(cfg.steps), desc=f"{run.objective.name} delay={cfg.delay}", disable=not progress)
     with (out / "metrics.jsonl").open("w") as metrics:
         for step in bar:
             if backend.name == "hf":
@@ -162,13 +120,13 @@ def run_one_process(
                 if version != engine_version:
                     backend.load_weights(state)
                     engine_version = version
-            examples = [task.sample(rng) for _ in range(cfg.prompts_per_step)]
+            examples = [task.sample(rng) for _ in range(prompts)]
             encoded = [prompts_fmt.encode(e.prompt) for e in examples]
-            roll = backend.generate([ids for ids in encoded for _ in range(cfg.group_size)], sampling)
+            roll = backend.generate([ids for ids in encoded for _ in range(group)], sampling)
             rewards = torch.tensor(
                 [
                     task.reward(e.prompt, roll.texts[i], e.reference)
-                    for i, e in enumerate(e for e in examples for _ in range(cfg.group_size))
+                    for i, e in enumerate(e for e in examples for _ in range(group))
                 ]
             )
             rows = Rows(
@@ -177,7 +135,7 @@ def run_one_process(
                 mask=roll.completion_mask,
                 logq=roll.logprobs,
                 rewards=rewards,
-                group_ids=torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.group_size),
+                group_ids=torch.arange(prompts).repeat_interleave(group),
                 versions=torch.full((rows_per_step,), version),
             )
             stats = trainer.step(rows)
@@ -204,8 +162,8 @@ def run_one_process(
         tok.save_pretrained(out / "checkpoint")
     k = min(20, len(reward_curve))
     summary = {
-        "objective": cfg.objective,
-        "advantage": cfg.advantage or objectives.default_advantage(cfg.objective),
+        "objective": run.objective.name,
+        "advantage": run.objective.advantage or objectives.default_advantage(run.objective.name),
         "delay": cfg.delay,
         "steps": cfg.steps,
         "seed": cfg.seed,
@@ -216,7 +174,7 @@ def run_one_process(
         "wall_s": time.perf_counter() - t0,
         "checkpoint_bytes": checkpoint_bytes,  # one published version (float32): adapters or all weights
         "trainable_params": sum(p.numel() for p in trainable),
-        "config": asdict(cfg),
+        "config": to_dict(cfg),
     }
     atomic_write_json(out / "summary.json", summary, indent=1)
     log.info(

@@ -1,13 +1,12 @@
-"""The pieces every settings class is made of: documented fields, the names a run may use, CLI flags.
+"""The pieces every settings class is made of: documented fields, the names a run may use, value checks.
 
 A setting is a dataclass field made with :func:`setting`: its default and its help text live in one place,
-and :func:`add_flag` turns it into an argparse flag with that default and help, so a command-line tool never
-writes a default of its own. Torch-free: the CLI builds its parser from here without loading a model.
+and everything else (run.toml, the RunSpec, command-line flags: :mod:`.flags`) reads them from there.
+Torch-free: the CLI builds its parser from here without loading a model.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from typing import Any
 
@@ -36,8 +35,12 @@ ADVANTAGES = ("grpo", "dr_grpo", "rloo", "bnpo")  # advantage estimators (hetero
 CHECKPOINT_DTYPES = ("float32", "bfloat16")
 
 
+REQUIRED = dataclasses.MISSING  # the default of a setting that has none: it must be given
+
+
 def setting(default: Any, help: str, *, factory: Any = None) -> Any:
-    """A documented dataclass field: ``x: int = setting(4, "what x does")``."""
+    """A documented dataclass field: ``x: int = setting(4, "what x does")``; ``factory`` makes a mutable
+    default (a table, a section); a :data:`REQUIRED` one must be given (kw_only classes)."""
     meta = {"help": help}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
@@ -65,27 +68,6 @@ def help_of(cls: type, name: str) -> str:
     return field_of(cls, name).metadata.get("help", "")
 
 
-def add_flag(
-    ap: argparse.ArgumentParser | argparse._ArgumentGroup,
-    cls: type,
-    name: str,
-    flag: str | None = None,
-    **overrides: Any,
-) -> argparse.Action:
-    """``--name-with-dashes`` for setting ``cls.name``: its default, help and type, unless overridden."""
-    default = default_of(cls, name)
-    kw: dict[str, Any] = {"default": default, "help": help_of(cls, name)}
-    kw.update(overrides)
-    if kw["default"] not in (None, "", False):
-        kw["help"] += " (default: %(default)s)"
-    if isinstance(default, bool):
-        kw["action"] = argparse.BooleanOptionalAction
-    elif isinstance(default, (int, float)):
-        kw["type"] = type(default)
-    kw.update(overrides)
-    return ap.add_argument(flag or "--" + name.replace("_", "-"), **kw)
-
-
 def check_int(where: str, value: Any, low: int, high: int | None = None) -> None:
     """ValueError unless ``value`` is an integer (not a bool) in [low, high]."""
     if (
@@ -96,6 +78,13 @@ def check_int(where: str, value: Any, low: int, high: int | None = None) -> None
     ):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"{where} must be an integer {bound}, got {value!r}")
+
+
+def check_number(where: str, value: Any, low: float, *, low_included: bool = False) -> None:
+    """ValueError unless ``value`` is a number (not a bool) above ``low`` (or equal to it, if included)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not (value >= low if low_included else value > low):
+        raise ValueError(f"{where} must be a number {'>=' if low_included else '>'} {low:g}, got {value!r}")
 
 
 def check_update_fits(prompts_per_update: int, prompts_per_batch: int, buffer_batches: int) -> None:

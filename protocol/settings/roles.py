@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .base import CHECKPOINT_DTYPES, check_int, setting
+from .base import CHECKPOINT_DTYPES, check_int, check_number, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +54,8 @@ class LearnerSettings:
             check_int(f"learner.{name}", getattr(self, name), 1)
         check_int("learner.max_staleness", self.max_staleness, -1)
         check_int("learner.deltas", self.deltas, 0, 8)
-        e = self.save_every_s
-        if isinstance(e, bool) or not isinstance(e, (int, float)) or not e >= 0:
-            raise ValueError(f"learner.save_every_s must be a number >= 0, got {e!r}")
-        g = self.grad_clip
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0:
-            raise ValueError(f"learner.grad_clip must be a number > 0, got {g!r}")
+        check_number("learner.save_every_s", self.save_every_s, 0, low_included=True)
+        check_number("learner.grad_clip", self.grad_clip, 0)
         if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
             raise ValueError(
                 f"learner.checkpoint_dtype must be float32 or bfloat16, got {self.checkpoint_dtype!r}"

@@ -139,8 +139,14 @@ def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> di
             if not isinstance(node.get(s), dict):
                 node[s] = {}
             node = node[s]
-        node[name] = value
+        node[name] = _deep_copy(value) if isinstance(value, Mapping) else value
     return out
+
+
+def from_overrides(cls: type, overrides: Mapping[str, Any], data: Mapping[str, Any] | None = None) -> Any:
+    """A ``cls`` tree from ``data`` (default: none, every default) with ``overrides`` applied, unknown keys
+    refused: ``from_overrides(Run, {"objective.lr": 1e-3, "learner.group_size": 4})``."""
+    return from_dict(cls, apply_overrides(data or {}, overrides), strict=True)[0]
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:

@@ -93,7 +93,7 @@ SCHEMAS: dict[str, s.Check] = {
             "task": s.text(MAX_TEXT),
             "reward": s.text(MAX_TEXT),
             "objective": s.text(64),
-            "hyperparameters": s.text(MAX_TEXT),  # JSON text: a flat, schema-free bag kept opaque here
+            "hyperparameters": s.text(MAX_TEXT),  # JSON of the run's settings (protocol/settings/spec.py)
             "sampling": s.record(
                 {
                     "temperature": s.number(1e-6, 100.0),
