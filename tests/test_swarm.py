@@ -72,6 +72,8 @@ def test_heterorl_local_learns_and_every_sampler_follows_the_checkpoints(tmp_pat
         assert versions == sorted(set(versions)), (name, versions)  # only ever forward, each version once
         assert versions[-1] >= steps // 2, (name, versions)  # checkpoints reached every sampler, late too
     assert "learner updates" in done.stdout
+    # a clean stop saves the last step, whatever learner.save_every_s: a restart redoes nothing
+    assert (out / "learner" / "state" / "CURRENT").read_text().strip() == f"step-{steps:08d}"
     # the learner's per-step time accounting, which `heterorl bench throughput` reads
     rows = [json.loads(line) for line in (out / "learner" / "metrics.jsonl").read_text().splitlines()]
     waits, trains = [r["wait_s"] for r in rows], [r["train_s"] for r in rows]

@@ -356,8 +356,9 @@ class Learner:
         self.assembler.close()
         self.publisher.close()  # it publishes what it holds, then ends
         self.publisher.wait_idle()
-        try:
-            if self.publisher.published_version != self.step:
+        try:  # the last version, published and saved (a restart then redoes nothing)
+            pub = self.publisher
+            if pub.published_version != self.step or pub.saved_version != self.step:
                 self.status.state = f"publishing version {self.step}"
                 self._publish_now(with_state=True)
         except Exception as e:
