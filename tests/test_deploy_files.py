@@ -410,7 +410,7 @@ def test_compose_init_writes_a_run_toml_the_coordinator_accepts(tmp_path):
     from heterorl.protocol.settings import load_run_config
 
     cfg = load_run_config(run_toml)
-    assert cfg.learner_keys == (learner,) and cfg.model == "tiny" and cfg.learner.max_staleness == -1
+    assert cfg.learner_keys == (learner,) and cfg.model.path == "tiny" and cfg.learner.max_staleness == -1
 
     before = run_toml.read_text()
     r = run()

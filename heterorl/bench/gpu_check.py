@@ -214,9 +214,10 @@ def publishing(name: str, args: argparse.Namespace) -> dict:
         micro_batch_tokens=None,
         checkpoint_dtype="bfloat16",
         deltas=4,
+        save_every_s=300.0,
     )
     out = {}
-    for side, publish in (("no_publishing", False), ("publish_every_update", True)):
+    for side, publish in (("no_publishing", False), ("publish_every_update", "background")):
         with TemporaryDirectory() as work:
             out[side] = run(build(name, args.device), ns, publish, Path(work))
         if args.device == "cuda":
