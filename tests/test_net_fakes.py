@@ -403,6 +403,30 @@ def test_every_check_runs_in_the_intake_pool_while_the_loop_stays_free(swarm):
     run(go())
 
 
+def test_a_sender_has_a_window_of_batches_in_flight_on_one_stream(swarm):
+    """Two batches due at once are written before either reply is read, and checked side by side: each
+    check waits for the other to start (it would wait forever were the stream one batch at a time)."""
+
+    async def go():
+        both = threading.Barrier(2, timeout=10)
+
+        def admit(body, author):
+            both.wait()  # raises BrokenBarrierError after 10 s alone
+            return None
+
+        await swarm.start_learner(admit=admit)
+        items = [_batch(swarm.sid) for _ in range(2)]
+        for bid, raw in items:
+            await asyncio.to_thread(swarm.outbox.put, bid, raw, 3)
+        assert await swarm.sender.send_due() == 2
+        assert swarm.accepted and sorted(swarm.accepted) == sorted(bid for bid, _ in items)
+        assert swarm.net.streams_opened == 1 and len(swarm.outbox) == 0
+        await swarm.net.aclose()
+        swarm.receiver.close()
+
+    run(go())
+
+
 def test_bad_batches_are_refused_for_good(swarm):
     async def go():
         await swarm.start_learner()

@@ -135,7 +135,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "GPU when there is one), cpu, or cuda (fails if torch sees no CUDA GPU); vLLM and the swarm "
         "keep their own",
     )
-    ap.add_argument("--swarm-steps", type=int, default=60, help="learner updates per swarm run")
+    ap.add_argument(
+        "--swarm-steps", type=int, default=150, help="learner updates per swarm run (a window of ~20 s)"
+    )
     ap.add_argument("--samplers", type=int, nargs="+", default=[1, 2], help="swarm sizes to run")
     ap.add_argument("--lr", type=float, default=3e-4, help="learning rate of every learner")
     ap.add_argument("--profile", action="store_true", help="print cProfile tops of our rollout and learner")

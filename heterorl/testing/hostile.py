@@ -47,8 +47,8 @@ def hostile_sampler(mode: str) -> type:
         return BrokenSenderSampler
 
     class Hostile(Sampler):
-        def make_batch(self):
-            bid, data, tokens = super().make_batch()
+        def sign_batch(self, rows):
+            bid, data, tokens = super().sign_batch(rows)
             _, body, _ = decode(data)
             if mode == "wrong-reward":
                 for r in body["rows"]:

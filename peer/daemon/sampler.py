@@ -217,30 +217,41 @@ class Sampler:
 
     def make_batch(self) -> tuple[bytes, bytes, int]:
         """Generate one TrajectoryBatch with the current policy; returns (batch id, signed bytes, tokens)."""
+        return self.make_batches(1)[0]
+
+    def make_batches(self, n: int) -> list[tuple[bytes, bytes, int]]:
+        """Generate ``n`` TrajectoryBatches with the current policy in one engine call (split only where
+        memory asks: ``gen_rows``): an engine's cost per call, not per row, dominates small batches (the tiny
+        model's 16-row batches; vLLM batches what it is given). Each is signed on its own
+        (:meth:`sign_batch`); returns (batch id, signed bytes, tokens) of each."""
         s = self.settings
-        g = s.learner.group_size
-        examples = [self.task.sample(self.rng) for _ in range(s.sampler.prompts_per_batch)]
+        g, k = s.learner.group_size, s.sampler.prompts_per_batch
+        examples = [self.task.sample(self.rng) for _ in range(n * k)]
         prompts = [e.prompt for e in examples for _ in range(g)]
         encoded = {p: self.prompts.encode(p) for p in dict.fromkeys(prompts)}  # a group repeats its prompt
-        rows, tokens, i = [], 0, 0
+        rows, i = [], 0
         for roll in self._generate([encoded[p] for p in prompts]):
             for j in range(len(roll.texts)):
-                n = int(roll.lengths[j])
+                length = int(roll.lengths[j])
                 reward = self.task.reward(prompts[i], roll.texts[j], examples[i // g].reference)
                 rows.append(
                     {
-                        "group": i // g,
+                        "group": (i // g) % k,  # each batch numbers its own groups
                         "prompt_ids": list(roll.prompt_ids[j]),
-                        "completion_ids": roll.completion_ids[j, :n].tolist(),
-                        "logprobs": [min(0.0, x) for x in roll.logprobs[j, :n].tolist()],
+                        "completion_ids": roll.completion_ids[j, :length].tolist(),
+                        "logprobs": [min(0.0, x) for x in roll.logprobs[j, :length].tolist()],
                         "reward": float(reward),
                     }
                 )
-                tokens += n
                 i += 1
+        per = k * g
+        return [self.sign_batch(rows[b * per : (b + 1) * per]) for b in range(n)]
+
+    def sign_batch(self, rows: list[dict]) -> tuple[bytes, bytes, int]:
+        """``rows`` as a signed TrajectoryBatch of the held version: (batch id, signed bytes, tokens)."""
         bid = new_batch_id()
         body = {
-            "run_id": s.run_id,
+            "run_id": self.settings.run_id,
             "batch_id": bid,
             "policy_version": self.version,
             "timestamp": time.time(),
@@ -248,6 +259,7 @@ class Sampler:
             "engine": self.backend.name,
             "engine_dtype": self.backend.dtype,
         }
+        tokens = sum(len(r["completion_ids"]) for r in rows)
         return bid, encode("TrajectoryBatch", body, self.identity), tokens
 
     # ---- the role ----
@@ -333,11 +345,17 @@ class Sampler:
             )
             self.gen_lag_max = max(self.gen_lag_max, lag(view, self.rule.limits.publish_every))
             t = time.perf_counter()
-            bid, data, tokens = self.make_batch()
+            # as many batches as the outbox has room for, in one engine call (the stop rule waits while full)
+            n = max(1, self.opt.max_pending - len(self.outbox))
+            if self.opt.max_batches is not None:
+                n = min(n, self.opt.max_batches - self.batches)
+            made = self.make_batches(n)
             dt = time.perf_counter() - t
-            self.outbox.put(bid, data, self.version)
+            for bid, data, _ in made:
+                self.outbox.put(bid, data, self.version)
             self.sender.notify()
-            self.batches += 1
+            self.batches += len(made)
+            tokens = sum(t for _, _, t in made)
             self.tokens += tokens
             rate = tokens / max(dt, 1e-6) / self.opt.slowdown
             ema = rate if ema == 0 else 0.8 * ema + 0.2 * rate

@@ -1,10 +1,11 @@
 """Trajectory delivery: samplers stream signed TrajectoryBatches to learners, learners answer Ack or Reject.
 
-Wire protocol ``/heterorl/trajectories/1`` on one long-lived stream: the sampler writes one frame holding a
-signed TrajectoryBatch message, the learner answers with one frame holding its signed Ack or Reject for that
-batch id, and so on. Delivery is at-least-once from the sampler (its :class:`~.outbox.Outbox` keeps a batch
-on disk until acknowledged, retrying with backoff) and exactly-once at the learner (its
-:class:`~.ledger.AcceptedLog` dedupes by batch id and is written before the Ack goes out).
+Wire protocol ``/heterorl/trajectories/1`` on one long-lived stream: the sampler writes frames holding signed
+TrajectoryBatch messages, up to ``WINDOW`` before it reads a reply, and the learner answers each with one
+frame holding its signed Ack or Reject for that batch id, in the order the frames came. Delivery is
+at-least-once from the sampler (its :class:`~.outbox.Outbox` keeps a batch on disk until acknowledged,
+retrying with backoff) and exactly-once at the learner (its :class:`~.ledger.AcceptedLog` dedupes by batch id
+and is written before the Ack goes out).
 
 A Reject with ``retry_after_s > 0`` is flow control ("my buffer is full, come back later"): the sampler keeps
 the batch and waits that long. A Reject with ``retry_after_s == 0`` is final (malformed, wrong run, bad
@@ -55,6 +56,9 @@ class LearnerAddress:
 
 
 DEFAULT_INTAKE_WORKERS = 2
+# frames a sender writes on one stream before it reads their replies (and the receiver checks at once): the
+# round trip of one batch (its ledger fsync at the learner, the network) is not paid once per batch
+WINDOW = 4
 
 
 class TrajectoryReceiver:
@@ -104,21 +108,36 @@ class TrajectoryReceiver:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     async def handle(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Read frames off one stream and check them in the pool, up to ``WINDOW`` at a time (a sender may
+        write that many before it reads a reply); the replies go back in the frames' order."""
         loop = asyncio.get_running_loop()
-        while True:
-            try:
-                frame = await read_frame(reader, self.max_message_bytes, STREAM_IDLE_S)
-            except EOFError:
-                return
-            except FrameError as e:
-                self._refuse(f"peer:{remote}", "frame", e)
-                if e.kind == "oversized":  # cannot resynchronise after an unread payload
-                    await write_frame(writer, self._reply(b"", f"refused: {e}", 0.0))
-                return
-            with self._lock:
-                self.bytes_received += len(frame)
-            reply = await loop.run_in_executor(self._pool, self.process, remote, frame)
-            await write_frame(writer, reply)
+        replies: asyncio.Queue[asyncio.Future | None] = asyncio.Queue(maxsize=WINDOW)
+        replier = asyncio.ensure_future(self._write_replies(replies, writer))
+        try:
+            while not replier.done():
+                try:
+                    frame = await read_frame(reader, self.max_message_bytes, STREAM_IDLE_S)
+                except EOFError:
+                    return
+                except FrameError as e:
+                    self._refuse(f"peer:{remote}", "frame", e)
+                    if e.kind == "oversized":  # cannot resynchronise after an unread payload
+                        done = loop.create_future()
+                        done.set_result(self._reply(b"", f"refused: {e}", 0.0))
+                        await replies.put(done)
+                    return
+                with self._lock:
+                    self.bytes_received += len(frame)
+                await replies.put(loop.run_in_executor(self._pool, self.process, remote, frame))
+        finally:
+            if not replier.done():
+                await replies.put(None)  # the replies to what was read still go out
+            await asyncio.gather(replier, return_exceptions=True)
+
+    @staticmethod
+    async def _write_replies(replies: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
+        while (pending := await replies.get()) is not None:
+            await write_frame(writer, await pending)
 
     def process(self, remote: str, frame: bytes) -> bytes:
         """Every check of one frame, the ledger write and the hand-over; the signed reply (any thread)."""
@@ -256,69 +275,81 @@ class TrajectorySender:
                 w.close()
 
     async def send_due(self) -> int:
-        """Send every due outbox item once; returns how many were acknowledged."""
+        """Send every due outbox item once, up to ``WINDOW`` of them on a stream before reading their
+        replies; returns how many were acknowledged."""
         items = await asyncio.to_thread(self.outbox.due, 16)
         acked = 0
-        for item in items:
+        for start in range(0, len(items), WINDOW):
+            window = items[start : start + WINDOW]
             learners = await self._current_learners()
             if not learners:
                 self.state = "waiting for a learner"
-                await asyncio.to_thread(self.outbox.retry, item.batch_id)
+                for item in window:
+                    await asyncio.to_thread(self.outbox.retry, item.batch_id)
                 self.on_change()
                 continue
             learner = learners[self._next % len(learners)]
             self._next += 1
             self.state = "sending"
             try:
-                acked += await self._send_one(learner, item.batch_id, item.data, item.created_at)
+                acked += await self._send_window(learner, window)
             finally:
                 self.on_change()
         return acked
 
-    async def _send_one(
-        self, learner: LearnerAddress, batch_id: bytes, data: bytes, created_at: float
-    ) -> int:
+    async def _send_window(self, learner: LearnerAddress, items: list) -> int:
+        """Write every item's frame, then read their replies in order; what got no good reply is retried."""
         start = time.monotonic()
+        answered = 0
+        acked = 0
         try:
             reader, writer = await self._stream(learner)
-            await write_frame(writer, data)
-            reply = await read_frame(reader, REPLY_MAX_BYTES, self.request_timeout)
-            kind, body, author = decode(reply, run_id=self.run_id)
-            if author != learner.key or kind not in ("Ack", "Reject"):
-                raise ProtocolError("reply not an Ack or Reject signed by that learner")
-            if body["batch_id"] not in (batch_id, b""):
-                raise ProtocolError("reply for another batch")
-        except Exception as e:  # learner gone, stream broken, garbage reply: keep the batch, back off
+            for item in items:
+                await write_frame(writer, item.data)
+            for item in items:
+                reply = await read_frame(reader, REPLY_MAX_BYTES, self.request_timeout)
+                kind, body, author = decode(reply, run_id=self.run_id)
+                if author != learner.key or kind not in ("Ack", "Reject"):
+                    raise ProtocolError("reply not an Ack or Reject signed by that learner")
+                if body["batch_id"] not in (item.batch_id, b""):
+                    raise ProtocolError("reply for another batch")
+                answered += 1
+                acked += await self._on_reply(item, kind, body, time.monotonic() - start)
+        except Exception as e:  # learner gone, stream broken, garbage reply: keep the batches, back off
             self.failures += 1
             self._drop_stream(learner)
             self._learners_at = 0.0  # look the learners up again
-            delay = await asyncio.to_thread(self.outbox.retry, batch_id)
-            log.info(
-                "batch %s not delivered (%s: %s); retry in %.1f s",
-                batch_id.hex()[:8],
-                type(e).__name__,
-                e,
-                delay,
-            )
-            return 0
+            for item in items[answered:]:
+                delay = await asyncio.to_thread(self.outbox.retry, item.batch_id)
+                log.info(
+                    "batch %s not delivered (%s: %s); retry in %.1f s",
+                    item.batch_id.hex()[:8],
+                    type(e).__name__,
+                    e,
+                    delay,
+                )
+        return acked
+
+    async def _on_reply(self, item, kind: str, body: dict, round_trip_s: float) -> int:
+        """One batch's Ack or Reject acted on: acknowledged (1), or kept for later, or dropped for good."""
         self.sent += 1
-        self.bytes_sent += len(data)
+        self.bytes_sent += len(item.data)
         if kind == "Ack":
             self.acked += 1
             self.busy_until = 0.0
-            self.latencies.append(time.monotonic() - start)
-            self.delivery_latencies.append(max(0.0, time.time() - created_at))
-            await asyncio.to_thread(self.outbox.ack, batch_id)
+            self.latencies.append(round_trip_s)
+            self.delivery_latencies.append(max(0.0, time.time() - item.created_at))
+            await asyncio.to_thread(self.outbox.ack, item.batch_id)
             return 1
         if body["retry_after_s"] > 0:
             self.deferred += 1
             self.state = "learner busy"
             self.busy_until = time.monotonic() + body["retry_after_s"]
-            await asyncio.to_thread(self.outbox.retry, batch_id, retry_after_s=body["retry_after_s"])
+            await asyncio.to_thread(self.outbox.retry, item.batch_id, retry_after_s=body["retry_after_s"])
             return 0
         self.rejected += 1
-        log.warning("learner rejected batch %s: %s", batch_id.hex()[:8], body["reason"])
-        await asyncio.to_thread(self.outbox.reject, batch_id, body["reason"])
+        log.warning("learner rejected batch %s: %s", item.batch_id.hex()[:8], body["reason"])
+        await asyncio.to_thread(self.outbox.reject, item.batch_id, body["reason"])
         return 0
 
     async def _learners_changed(self) -> bool:
