@@ -69,6 +69,14 @@ SHOWN_STATS = (
 )
 
 
+def _step_of(line: str) -> float:
+    """The step of a metrics row; infinity for a line a kill cut short (it goes with the lost updates)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 @dataclasses.dataclass(frozen=True)
 class LearnerOptions:
     max_steps: int | None = None  # stop (cleanly) after this many updates; None: run until stopped
@@ -195,7 +203,7 @@ class Learner:
         self.trainer.version = newest
         path = self.state_dir / "metrics.jsonl"
         if path.exists():  # the lineage: rows of updates after the save are not in it any more
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= saved_step]
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= saved_step]
             atomic_write(path, "".join(line + "\n" for line in kept))
 
     def _replay(self, saved_step: int) -> int:

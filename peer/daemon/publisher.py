@@ -117,24 +117,22 @@ class Publisher:
 
     def publish_now(self, snapshot: Snapshot) -> None:
         """Publish ``snapshot`` on the caller's thread, once the background one is done (start and leave)."""
-        self.wait_idle()
         with self._cond:
+            self._cond.wait_for(self._idle)
             self._working = True
-        try:
-            self._publish(snapshot)
-        finally:
-            with self._cond:
-                self._working = False
-                self._cond.notify_all()
+        self._publish_working(snapshot)
 
     def idle(self) -> bool:
         with self._cond:
-            return not self._working and self._pending is None
+            return self._idle()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until nothing is pending or being published; False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._working and self._pending is None, timeout)
+            return self._cond.wait_for(self._idle, timeout)
+
+    def _idle(self) -> bool:  # under the lock
+        return not self._working and self._pending is None
 
     def close(self) -> None:
         """End :meth:`run` once the version in hand is published (a pending one is still published)."""
@@ -157,12 +155,16 @@ class Publisher:
             if snapshot is None:
                 self._refresh()
                 continue
-            try:
-                self._publish(snapshot)
-            finally:
-                with self._cond:
-                    self._working = False
-                    self._cond.notify_all()
+            self._publish_working(snapshot)
+
+    def _publish_working(self, snapshot: Snapshot) -> None:
+        """:meth:`_publish` while marked working; marked idle after it, whatever happened."""
+        try:
+            self._publish(snapshot)
+        finally:
+            with self._cond:
+                self._working = False
+                self._cond.notify_all()
 
     def _retry_in(self) -> float | None:
         if self.announcer.has_failed():
