@@ -163,3 +163,11 @@ def test_runspec_hyperparameters_that_are_not_understood_are_refused():
     for bad in ("not json", "[2]", *bad_values):
         with pytest.raises(ValueError, match="hyperparameters not understood"):
             RunSettings.from_spec({**body, "hyperparameters": bad})
+
+
+def test_a_metrics_line_a_kill_cut_short_counts_as_after_any_save():
+    from heterorl.peer.daemon.learner import _step_of
+
+    assert _step_of('{"step": 7, "time": 1.0}') == 7
+    for torn in ('{"step": 8, "ti', "", '{"time": 1.0}', "[1, 2]"):
+        assert _step_of(torn) == float("inf")  # dropped with the updates a restart redoes
