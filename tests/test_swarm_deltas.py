@@ -34,8 +34,8 @@ def _wait(cond, what: str, swarm: Swarm, timeout: float = 240) -> None:
 
 def _held(swarm: Swarm, name: str) -> list[int]:
     """Versions a (stopped) sampler's store holds whole: every chunk re-hashed against the manifest the
-    learner signed (a store is opened by one process at a time: opening it clears half-written files)."""
-    mine = ChunkStore(swarm.root / name / "chunks", max_bytes=1 << 40)
+    learner signed (opened read-only: it never touches what another process may be writing)."""
+    mine = ChunkStore(swarm.root / name / "chunks", max_bytes=1 << 40, read_only=True)
     for v in mine.versions():
         mine.assemble(v)  # ProtocolError for a missing or corrupt chunk
     return mine.versions()
@@ -43,8 +43,8 @@ def _held(swarm: Swarm, name: str) -> list[int]:
 
 def _same_as_learner(swarm: Swarm, name: str) -> list[int]:
     """After the swarm stopped: versions a sampler holds, each byte-identical to the learner's state."""
-    mine = ChunkStore(swarm.root / name / "chunks", max_bytes=1 << 40)
-    learner = ChunkStore(swarm.learner_dir / "chunks", max_bytes=1 << 40)
+    mine = ChunkStore(swarm.root / name / "chunks", max_bytes=1 << 40, read_only=True)
+    learner = ChunkStore(swarm.learner_dir / "chunks", max_bytes=1 << 40, read_only=True)
     held = mine.versions()
     for v in held:
         assert mine.body(v)["chunk_hashes"] == learner.body(v)["chunk_hashes"], (name, v)

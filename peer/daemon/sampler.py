@@ -54,7 +54,6 @@ class SamplerOptions:
     engine_dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
     threads: int | None = None  # the engine's CPU threads (None: its default)
     engine_restarts: int = 2  # a dead vLLM engine is restarted this often, then the sampler falls back to hf
-    upload_bytes_per_s: float | None = None  # cap on the checkpoint bytes this peer serves; None: no cap
 
 
 MAX_PROMPT_TOKENS = 1024  # the engine's context: prompt + max_new_tokens, within the model's own limit
