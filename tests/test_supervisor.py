@@ -172,3 +172,13 @@ def test_a_wait_that_the_stop_may_not_end_waits_for_a_producer():
     assert w.wait(0, stoppable=False) is False
     w.set()
     assert w.wait(DEADLINE_S, stoppable=False) is True
+
+
+def test_the_stop_event_calls_back_when_set_and_at_once_when_already_set():
+    stop, calls = StopEvent(), []
+    stop.on_set(lambda: calls.append("before"))
+    assert calls == []
+    stop.set()
+    assert calls == ["before"]
+    stop.on_set(lambda: calls.append("after"))  # registered once stopped: called at once
+    assert calls == ["before", "after"]
