@@ -128,9 +128,9 @@ class SwarmView:
         series = self.throughput.setdefault(key[:8], collections.deque(maxlen=MAX_THROUGHPUT_POINTS))
         series.append([hb["timestamp"], hb["tokens_per_s"]])
         if hb["role"] == "learner":
-            self._learner(key, stats)
+            self._learner(key, stats, hb.get("bans", []))
 
-    def _learner(self, key: str, stats: dict) -> None:
+    def _learner(self, key: str, stats: dict, bans: list[dict]) -> None:
         step = int(stats.get("step", 0))
         if self.reward_curve and step <= self.reward_curve[-1][0]:
             if step < self.reward_curve[-1][0]:  # a learner that restarted from an older save
@@ -151,6 +151,9 @@ class SwarmView:
             "wait_frac": stats.get("wait_frac"),
             "staleness_hist": {b: int(stats.get(f"stale:{b}", 0)) for b in STALENESS_BUCKETS},
             "rejected_by": {k[4:]: int(v) for k, v in stats.items() if k.startswith("rej:")},
+            # banned authors (hex key) and why, as the learner's last heartbeat names them
+            "bans": {b["author"].hex(): b["reason"] for b in bans},
+            "checked": int(stats.get("trust/checked", 0)),
         }
 
     # ---- what the dashboard, /metrics and `heterorl status` show ----
@@ -167,6 +170,7 @@ class SwarmView:
     def snapshot(self) -> dict:
         now = time.time()
         rejected_by = self.learner.get("rejected_by", {})
+        bans = self.learner.get("bans", {})
         peers = []
         for p in sorted(self.peers.values(), key=lambda p: (p["role"], p["key"])):
             age = now - p["timestamp"]
@@ -182,6 +186,7 @@ class SwarmView:
                     "last_seen_s": round(age, 1),
                     "alive": age < ALIVE_S and p["state"] != "leaving",
                     "rejected": self._rejected(p, rejected_by),
+                    "banned": bans.get(p["key"]),  # why the learner banned this peer, or None
                 }
             )
         by_author = {}

@@ -244,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
             "speed side by side: vs TRL GRPOTrainer, plain generate, plain CE step; swarm vs one process",
         ),
         (
+            "trust",
+            "trust",
+            "hostile samplers (forged log-probs, other models, backdoors, replays, a flood) vs the checks",
+        ),
+        (
             "weights",
             "weights",
             "sparse bf16 checkpoint deltas on real RL updates (tiny, SmolLM2): bytes, ratio, exactness",

@@ -251,6 +251,7 @@ def test_ledger_accept_and_duplicates(tmp_path):
             "ledger/duplicates": 1,
             "ledger/applied": 0,
             "ledger/pending": 1,
+            "ledger/dropped": 0,
             "ledger/bytes": 7,
         }
         with pytest.raises(ValueError):
@@ -417,3 +418,20 @@ def test_sigkill_mid_way_loses_nothing_committed(tmp_path, kind):
             for i, b in zip(printed, ids, strict=True):
                 assert lg.seen(b)
                 assert lg.get(b) == LedgerItem(b, b"author", i, b * 50, float(i), None)
+
+
+def test_ledger_drop_and_bans_survive_a_reopen(tmp_path):
+    path = tmp_path / "accepted.sqlite"
+    with AcceptedLog(path) as lg:
+        for i in range(4):
+            lg.accept(bid(i), b"mallory" if i % 2 else b"alice", 1, b"x", 1.0)
+        lg.mark_applied([bid(1)], 1)  # already trained on: stays applied, not dropped
+        assert lg.pending_of(b"mallory") == [bid(3)]
+        assert lg.drop([bid(1), bid(3)], "author banned", 2.0) == 1
+        lg.ban(b"mallory", "3 refused batches", 2.0)
+        assert [it.batch_id for it in lg.pending()] == [bid(0), bid(2)]
+    with AcceptedLog(path) as lg:  # a restart: the dropped batch is not replayed, the ban holds
+        assert [it.batch_id for it in lg.pending(applied_after=0)] == [bid(0), bid(1), bid(2)]
+        assert lg.bans() == {b"mallory": "3 refused batches"}
+        assert lg.dropped()[bid(3)] == "author banned"
+        assert lg.applied_count() == 0 and lg.stats()["ledger/dropped"] == 1

@@ -6,6 +6,10 @@
 ``broken-sender`` (not hostile, faulty: its trajectory sender dies of a disk error after its first
 acknowledged batch). Learner mode (``--role learner``, with a key the run lists): ``wrong-initial``
 (publishes, signed, a version 0 whose weights differ from the RunSpec's initial checkpoint).
+
+``--attack NAME`` (or ``module:function``) instead runs a sampler changed by an attack function
+(:mod:`.attacks`: forged log-probs, text from another model, a backdoor phrase, a wrong temperature, a stale
+version claim, replayed rows, quantised weights, a flood of fresh identities).
 """
 
 from __future__ import annotations
@@ -81,11 +85,31 @@ def hostile_learner(mode: str) -> type:
     return Hostile
 
 
+def attacked_sampler(spec: str) -> type:
+    """A Sampler that ``attack(self)`` changes once it is made (:func:`.attacks.load_attack`)."""
+    from .attacks import load_attack
+
+    attack = load_attack(spec)
+
+    class Attacked(Sampler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            attack(self)
+
+    return Attacked
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m heterorl.testing.hostile", description=__doc__)
-    ap.add_argument("--mode", choices=MODES, required=True)
+    how = ap.add_mutually_exclusive_group(required=True)
+    how.add_argument("--mode", choices=MODES)
+    how.add_argument("--attack", metavar="NAME|MODULE:FUNCTION", help="a sampler changed by this attack")
     peer_main.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.attack:
+        if args.role != "sampler":
+            ap.error("--attack is for samplers")
+        return peer_main.run(args, peer_class=attacked_sampler(args.attack))
     role_modes = SAMPLER_MODES if args.role == "sampler" else LEARNER_MODES
     if args.mode not in role_modes:
         ap.error(f"--mode {args.mode} is not a {args.role} mode ({', '.join(role_modes)})")

@@ -17,7 +17,7 @@ from pathlib import Path
 from heterorl.protocol.net.dht import peers_key
 from heterorl.protocol.net.join import dial_addresses, known_peers, remember_peers
 from heterorl.protocol.net.node import Node
-from heterorl.protocol.wire.messages import pack_stats
+from heterorl.protocol.wire.messages import pack_bans, pack_stats
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class StatusSnapshot:
     tokens_per_s: float
     backend: str
     stats: dict[str, float]
+    bans: dict[bytes, str] = dataclasses.field(default_factory=dict)  # a learner's banned authors and why
 
 
 class Status:
@@ -68,6 +69,7 @@ class Status:
     tokens_per_s = _Locked()
     backend = _Locked()  # a sampler's rollout engine (``RolloutBackend.describe()``)
     stats = _Locked(copy=True)
+    bans = _Locked(copy=True)
 
     def __init__(
         self,
@@ -84,6 +86,7 @@ class Status:
             tokens_per_s=tokens_per_s,
             backend=backend,
             stats=stats or {},
+            bans={},
         )
 
     def update(self, **fields) -> None:
@@ -91,8 +94,9 @@ class Status:
         unknown = set(fields) - {f.name for f in dataclasses.fields(StatusSnapshot)}
         if unknown:
             raise TypeError(f"Status has no field(s) {sorted(unknown)}")
-        if "stats" in fields:
-            fields["stats"] = dict(fields["stats"])
+        for name in ("stats", "bans"):
+            if name in fields:
+                fields[name] = dict(fields[name])
         with self._lock:
             for k, v in fields.items():
                 setattr(self, f"_{k}", v)
@@ -100,7 +104,12 @@ class Status:
     def snapshot(self) -> StatusSnapshot:
         with self._lock:
             return StatusSnapshot(
-                self._state, self._policy_version, self._tokens_per_s, self._backend, dict(self._stats)
+                self._state,
+                self._policy_version,
+                self._tokens_per_s,
+                self._backend,
+                dict(self._stats),
+                dict(self._bans),
             )
 
 
@@ -134,6 +143,7 @@ class Heartbeat:
             "hardware": self.hardware[:256],
             "stats": pack_stats(st.stats),
             **({"backend": st.backend[:64]} if st.backend else {}),
+            **({"bans": pack_bans(st.bans)} if st.bans else {}),
         }
 
     async def publish_once(self) -> bool:

@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import json
 import logging
+import threading
 import time
 
 from heterorl.protocol import decode
@@ -35,11 +36,15 @@ from heterorl.protocol.net.trajectories import TrajectoryReceiver
 from heterorl.protocol.storage.files import atomic_write
 from heterorl.protocol.storage.ledger import AcceptedLog
 from heterorl.protocol.wire.checkpoint import serialize_state_dict
+from heterorl.protocol.wire.errors import ProtocolError
 from heterorl.protocol.wire.staleness import STALENESS_BUCKETS, staleness_bucket
 
 from ..learner.assembler import Assembled, BatchAssembler
 from ..learner.buffer import Buffered, TrajectoryBuffer, staleness_refusal
 from ..learner.intake import Admission, RewardCheck
+from ..learner.replay import ReplayIndex
+from ..learner.reputation import Reputation
+from ..learner.spotcheck import SpotCheck, VersionWeights
 from ..learner.trainer import Trainer
 from ..learner.update import StepOptions
 from ..model import adapter, load_model
@@ -120,9 +125,32 @@ class Learner:
         self.reward_check = RewardCheck(
             get_task(s.task.name, **s.task.params), self.tok, prompts=PromptFormat(self.tok, s.model.chat)
         )
-        self.admission = Admission(
-            [("rows", self._check_rows), ("staleness", self._check_staleness), ("reward", self.reward_check)]
+        # batches of authors without a record yet: accepted (in the ledger), held out of training until the
+        # author has one, dropped if it is banned first
+        self.probation: collections.defaultdict[bytes, list[Buffered]] = collections.defaultdict(list)
+        self._probation_lock = threading.Lock()
+        self.reputation = Reputation(
+            s.trust,
+            buffer_capacity=s.learner.buffer_batches,
+            buffered_new=self._held_new,
+            on_ban=self._on_ban,
         )
+        self.reputation.load_bans(self.ledger.bans())
+        self.replays = ReplayIndex()
+        self.spot_check = self._make_spot_check()
+        checks = [
+            ("banned", self.reputation.check_banned),  # cheapest first
+            ("rate", self.reputation.check_rate),
+            ("rows", self._check_rows),
+            ("version", self._check_version),
+            ("staleness", self._check_staleness),
+            ("replay", self.replays),
+            ("reward", self.reward_check),
+        ]
+        if self.spot_check is not None:
+            checks.append(("spot check", self.spot_check))
+        self.admission = Admission(checks, on_strike=self._on_strike, no_strike=("banned", "staleness"))
+        self.trained_rows: collections.Counter[bytes] = collections.Counter()  # rows trained on, per author
         self.receiver = TrajectoryReceiver(
             self.identity,
             s.run_id,
@@ -150,6 +178,7 @@ class Learner:
             checkpoint_dtype=s.learner.checkpoint_dtype,
             deltas=s.learner.deltas,
             save_every_s=s.learner.save_every_s,
+            on_published=self._published,
         )
         self.staleness: collections.Counter[str] = collections.Counter()
         self.last: dict[str, float] = {}
@@ -170,9 +199,88 @@ class Learner:
 
     # ---- intake (the receiver's pool threads) ----
 
+    def _published(self, version: int, weights: dict) -> None:
+        if self.spot_check is not None:
+            self.spot_check.versions.put(version, weights)
+
+    def _make_spot_check(self) -> SpotCheck | None:
+        s = self.settings
+        if s.adapter is not None:  # its checkpoints hold adapters, not the model's state: not yet checked
+            log.warning("adapter run: sampled rollouts are not spot-checked (full fine-tuning runs only)")
+            return None
+
+        def load(version: int) -> bytes | None:
+            try:
+                return self.store.assemble(version) if self.store.has_version(version) else None
+            except (KeyError, ProtocolError):
+                return None
+
+        return SpotCheck(
+            self.trainer.model,
+            VersionWeights(load, s.trust.check_versions),
+            self.reputation,
+            s.trust,
+            pad_id=self.tok.pad_token_id,
+            temperature=s.sampling.temperature,
+            top_p=s.sampling.top_p,
+        )
+
+    def _held_new(self) -> int:
+        """Batches of authors without a record, held on probation (bounded in all)."""
+        with self._probation_lock:
+            return sum(len(v) for v in self.probation.values())
+
     def _check_rows(self, body: dict, _author: bytes) -> str | None:
-        n, most = len(body["rows"]), self.settings.limits.max_batch_rows
-        return f"{n} rows exceed the run's {most}" if n > most else None
+        s = self.settings
+        n, most = len(body["rows"]), s.limits.max_batch_rows
+        if n > most:
+            return f"{n} rows exceed the run's {most}"
+        longest = max(len(r["completion_ids"]) for r in body["rows"])
+        if longest > s.sampling.max_new_tokens:
+            return f"a completion of {longest} tokens exceeds the run's {s.sampling.max_new_tokens}"
+        return None
+
+    def _check_version(self, body: dict, author: bytes) -> str | None:
+        """A claimed version is one this learner published (or older than any it still holds), and an
+        author's claims never go back in time."""
+        v = body["policy_version"]
+        held = self.store.versions()
+        if held and v >= held[0] and v <= self.publisher.published_version and not self.store.has_version(v):
+            return f"claims version {v}, which was never published"
+        return self.reputation.check_claim(body, author)
+
+    def _on_strike(self, author: bytes, check: str, reason: str) -> None:
+        banned = self.reputation.strike(author, f"{check}: {reason}", checked=check == "spot check")
+        if banned is not None:
+            return
+        with self._probation_lock:  # a strike on probation: what it holds was never trained on, and goes
+            held = self.probation.pop(author, [])
+        if held:
+            self.ledger.drop(
+                [b.batch_id for b in held], f"held on probation when struck: {reason}", time.time()
+            )
+        log.info(
+            "strike against %s (%s: %s)%s",
+            author.hex()[:16],
+            check,
+            reason,
+            f"; dropped the {len(held)} batch(es) held on probation" if held else "",
+        )
+
+    def _on_ban(self, author: bytes, reason: str) -> None:
+        """Ban ``author`` for the run: what it sent and is not trained on yet goes; the ledger says so."""
+        now = time.time()
+        self.ledger.ban(author, reason, now)
+        with self._probation_lock:
+            self.probation.pop(author, None)
+        self.buffer.drop_author(author)
+        dropped = self.ledger.drop(self.ledger.pending_of(author), f"author banned: {reason}", now)
+        log.warning(
+            "banned %s for the run (%s); dropped %d of its batches not yet trained on",
+            author.hex()[:16],
+            reason,
+            dropped,
+        )
 
     def _check_staleness(self, body: dict, _author: bytes) -> str | None:
         return staleness_refusal(
@@ -183,7 +291,19 @@ class Learner:
         )
 
     def _on_accept(self, body: dict, author: bytes, _raw: bytes) -> None:
-        self.buffer.put(Buffered(body["batch_id"], author, body, time.time()))
+        self.reputation.accepted(body, author)
+        self.replays.add(body, author)
+        item = Buffered(body["batch_id"], author, body, time.time())
+        with self._probation_lock:
+            if self.reputation.check_banned(body, author) is not None:  # banned while this was checked
+                self.ledger.drop([item.batch_id], "author banned", time.time())
+                return
+            if not self.reputation.has_record(author):  # held out of training until it has a record
+                self.probation[author].append(item)
+                return
+            released = self.probation.pop(author, [])
+        for b in [*released, item]:
+            self.buffer.put(b)
 
     def _continue_after_published(self, saved_step: int) -> None:
         """Versions published after the last save (saves are every ``learner.save_every_s``) were made from
@@ -210,6 +330,8 @@ class Learner:
         items = self.ledger.pending(applied_after=saved_step)
         for it in items:
             _, body, author = decode(it.data, "TrajectoryBatch", run_id=self.settings.run_id)
+            self.reputation.accepted(body, author)
+            self.replays.add(body, author)
             self.buffer.put(Buffered(it.batch_id, author, body, it.received_at))
         if items:
             log.info("replaying %d accepted batch(es) not in my saved state", len(items))
@@ -242,9 +364,14 @@ class Learner:
 
     def train(self, got: Assembled) -> None:
         s = self.settings
+        got = self._without_banned(got)
+        if got is None:
+            return
         t = time.perf_counter()
         self.status.state = f"updating (step {self.step + 1})"
         stats = self.trainer.step(got.rows)
+        for b in got.batches:
+            self.trained_rows[b.author] += len(b.body["rows"])
         step = self.step
         self.ledger.mark_applied([b.batch_id for b in got.batches], step)
         hist = collections.Counter(staleness_bucket(step - 1 - b.body["policy_version"]) for b in got.batches)
@@ -260,6 +387,7 @@ class Learner:
             "time": time.time(),
             "batches": [b.batch_id.hex() for b in got.batches],
             "authors": sorted({b.author.hex()[:16] for b in got.batches}),
+            "rows_by_author": self._rows_by_author(got.batches),
             "staleness_hist": dict(hist),
             # which rollout engines made this update's batches ("vllm/bfloat16": 3, "hf/float32": 5)
             "engines": dict(
@@ -273,9 +401,30 @@ class Learner:
             "train_s": self.train_s,
             "publish_blocked_s": self.blocked_s,
             **self.publisher.stats(),
+            **self.trust_stats(),
             **stats,
         }
         self.rt.append_jsonl("metrics.jsonl", row)
+
+    @staticmethod
+    def _rows_by_author(batches: list[Buffered]) -> dict[str, int]:
+        out: collections.Counter[str] = collections.Counter()
+        for b in batches:
+            out[b.author.hex()[:16]] += len(b.body["rows"])
+        return dict(out)
+
+    def _without_banned(self, got: Assembled) -> Assembled | None:
+        """The update's batches less those of authors banned since they were assembled (None: none left)."""
+        bans = self.reputation.bans()
+        if not any(b.author in bans for b in got.batches):
+            return got
+        kept = [b for b in got.batches if b.author not in bans]
+        gone = [b.batch_id for b in got.batches if b.author in bans]
+        self.ledger.drop(gone, "author banned", time.time())
+        log.info("left %d batch(es) of banned authors out of the next update", len(gone))
+        if not kept:
+            return None
+        return Assembled(kept, self.assembler.rows(kept))
 
     def refresh_status(self) -> Status:
         st = self.status
@@ -295,10 +444,21 @@ class Learner:
             **{f"stale:{b}": self.staleness.get(b, 0) for b in STALENESS_BUCKETS},
         }
         stats.update({k: self.last[k] for k in SHOWN_STATS if k in self.last})
+        stats.update(self.trust_stats())
         for who, n in recv.strikes.most_common(MAX_SHOWN_STRIKES):
             stats[f"rej:{who[:27]}"] = n
         st.stats = stats
+        st.bans = self.reputation.bans()
         return st
+
+    def trust_stats(self) -> dict[str, float]:
+        """What the checks did: batches checked and refused, their cost, bans, deferred new authors."""
+        check = self.spot_check.stats() if self.spot_check is not None else {}
+        return {
+            **check,
+            "trust/banned": len(self.reputation.bans()),
+            "trust/deferred_new": self.reputation.deferred_new,
+        }
 
     def _write_final_stats(self) -> None:
         recv = self.receiver
@@ -313,6 +473,13 @@ class Learner:
             "refused_by_check": dict(self.admission.refused),
             "strikes": dict(recv.strikes),
             "rows_disagreeing": self.reward_check.rows_disagreeing,
+            "deferred_by_check": dict(self.admission.deferred),
+            "bans": {a.hex(): reason for a, reason in self.reputation.bans().items()},
+            "authors": self.reputation.summary(),
+            "trained_rows": {a.hex(): n for a, n in self.trained_rows.items()},
+            "train_s": self.train_s,
+            "wait_s": self.wait_s,
+            **self.trust_stats(),
         }
         self.rt.write_final_stats(final)
 

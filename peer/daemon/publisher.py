@@ -76,8 +76,11 @@ class Publisher:
         checkpoint_dtype: str,
         deltas: int,
         save_every_s: float = 0.0,
+        on_published: Callable[[int, dict], None] | None = None,
     ):
-        """``save_every_s``: :meth:`save_due` asks for a snapshot with the state this often (0: always)."""
+        """``save_every_s``: :meth:`save_due` asks for a snapshot with the state this often (0: always);
+        ``on_published(version, weights)`` hears each version published (the spot checker keeps a few)."""
+        self.on_published = on_published
         self.run_id, self.identity, self.store, self.ledger = run_id, identity, store, ledger
         self.announcer, self.state_root = announcer, state_root
         self.checkpoint_dtype, self.deltas, self.save_every_s = checkpoint_dtype, deltas, save_every_s
@@ -213,6 +216,8 @@ class Publisher:
         t2 = time.perf_counter()
         self.store.add_manifest(raw, body)
         self.published_version = v
+        if self.on_published is not None:
+            self.on_published(v, snap.weights)
         self.published += 1
         self.announcer.announce(raw, body)  # on the node's loop: the DHT round trips do not wait here
         self._announced_at = time.monotonic()

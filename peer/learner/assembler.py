@@ -55,11 +55,15 @@ class BatchAssembler:
             batches = self.buffer.take_groups(self.groups())  # blocks until there, or None once closed
             if batches is None:
                 return
-            rows = _to(rows_from_batches(batches, self.pad_id), self.device)
+            rows = self.rows(batches)
             with self._cond:
                 self._ready = Assembled(batches, rows)
                 self.assembled += 1
                 self._cond.notify_all()
+
+    def rows(self, batches: list[Buffered]) -> Rows:
+        """``batches`` as one update's rows on the trainer's device."""
+        return _to(rows_from_batches(batches, self.pad_id), self.device)
 
     def take(self, timeout: float | None = None) -> Assembled | None:
         """The next assembled batch, waiting up to ``timeout`` (None: until there or closed)."""

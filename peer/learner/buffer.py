@@ -56,6 +56,19 @@ class TrajectoryBuffer:
                 n += b.groups
             return out
 
+    def drop_author(self, author: bytes) -> list[bytes]:
+        """Take every batch of ``author`` out (a banned author's): their ids."""
+        with self._cond:
+            gone = [b.batch_id for b in self._items if b.author == author]
+            self._items = collections.deque(b for b in self._items if b.author != author)
+            return gone
+
+    def count(self, which) -> int:
+        """Batches waiting for which ``which(item)`` holds."""
+        with self._cond:
+            items = list(self._items)
+        return sum(1 for b in items if which(b))
+
     def close(self) -> None:
         """Wake every waiting taker with None; nothing is taken from now on (the ledger keeps the rest)."""
         with self._cond:

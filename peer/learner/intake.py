@@ -15,8 +15,11 @@ counted against its author by the receiver). The claimed rewards are kept only a
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+
+from heterorl.protocol.net.trajectories import Deferral
 
 from ..model.prompts import PromptFormat
 from ..model.text import completion_text
@@ -24,26 +27,55 @@ from ..tasks import Task
 
 REWARD_TOLERANCE = 1e-6
 
-Check = Callable[[dict, bytes], str | None]
-"""A check of a decoded batch body and its author: None to pass, or the reason to refuse."""
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A check's refusal that is not the author's fault (``strike=False``: a version no longer held)."""
+
+    reason: str
+    strike: bool = True
+
+
+Check = Callable[[dict, bytes], "str | Refusal | Deferral | None"]
+"""A check of a decoded batch body and its author: None to pass, the reason to refuse (a strike against the
+author), a :class:`Refusal`, or a :class:`Deferral` (flow control)."""
 
 
 class Admission:
-    """``admission(body, author) -> None | reason``: ``checks`` in order (name, check), the first refusal
-    wins; plugs into ``TrajectoryReceiver(admit=...)``. ``refused`` counts refusals by check name."""
+    """``admission(body, author) -> None | reason | Deferral``: ``checks`` in order (name, check), the first
+    refusal wins; plugs into ``TrajectoryReceiver(admit=...)``. ``refused`` counts refusals by check name,
+    ``deferred`` deferrals; ``on_strike(author, check name, reason)`` hears each refusal that counts against
+    its author (not those of the checks named in ``no_strike``, nor a :class:`Refusal` with strike False)."""
 
-    def __init__(self, checks: Sequence[tuple[str, Check]]):
+    def __init__(
+        self,
+        checks: Sequence[tuple[str, Check]],
+        on_strike: Callable[[bytes, str, str], None] | None = None,
+        no_strike: Iterable[str] = (),
+    ):
         self.checks = list(checks)
+        self.on_strike, self.no_strike = on_strike, frozenset(no_strike)
         self.refused: collections.Counter[str] = collections.Counter()
+        self.deferred: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()  # called from the intake pool's threads
 
-    def __call__(self, body: dict, author: bytes) -> str | None:
+    def __call__(self, body: dict, author: bytes) -> str | Deferral | None:
         for name, check in self.checks:
-            reason = check(body, author)
-            if reason is not None:
+            outcome = check(body, author)
+            if outcome is None:
+                continue
+            if isinstance(outcome, Deferral):
                 with self._lock:
-                    self.refused[name] += 1
-                return reason
+                    self.deferred[name] += 1
+                return outcome
+            strike = name not in self.no_strike
+            if isinstance(outcome, Refusal):
+                outcome, strike = outcome.reason, strike and outcome.strike
+            with self._lock:
+                self.refused[name] += 1
+            if strike and self.on_strike is not None:
+                self.on_strike(author, name, outcome)
+            return outcome
         return None
 
 

@@ -64,6 +64,26 @@ def completion_logprobs(
     float32 log-softmax exists at once (default: ``LOGPROB_CHUNK_ELEMENTS // V``); any value gives the
     same numbers.
     """
+    step_logits = completion_logits(model, prompts, completions, completion_mask, pad_id)
+    device = step_logits.device
+    targets = completions.to(device)
+    if chunk_tokens is None:
+        chunk_tokens = max(1, LOGPROB_CHUNK_ELEMENTS // max(1, step_logits.shape[-1]))
+    elif chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if torch.is_grad_enabled() and step_logits.requires_grad:
+        logp = _TokenLogProb.apply(step_logits, targets, float(temperature), int(chunk_tokens))
+    else:
+        logp = _token_logprobs(step_logits, targets, float(temperature), int(chunk_tokens))
+    valid = completion_mask.to(device) > 0
+    return torch.where(valid, logp, torch.zeros_like(logp))
+
+
+def completion_logits(
+    model, prompts: list[list[int]], completions: Tensor, completion_mask: Tensor, pad_id: int
+) -> Tensor:
+    """The model's logits that predict each completion token -> [N, T, V] (its dtype, on its device): one
+    forward over the packed rows, prompt-position logits skipped where the model allows."""
     ids, attn, pos, width = pack(prompts, completions, completion_mask, pad_id)
     device = model_device(model)
     t = completions.shape[1]
@@ -76,18 +96,7 @@ def completion_logprobs(
         input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device), **kwargs
     ).logits
     start = logits.shape[1] - (t + 1) if "logits_to_keep" in kwargs else width - 1
-    step_logits = logits[:, start : start + t]
-    targets = completions.to(device)
-    if chunk_tokens is None:
-        chunk_tokens = max(1, LOGPROB_CHUNK_ELEMENTS // max(1, step_logits.shape[-1]))
-    elif chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    if torch.is_grad_enabled() and step_logits.requires_grad:
-        logp = _TokenLogProb.apply(step_logits, targets, float(temperature), int(chunk_tokens))
-    else:
-        logp = _token_logprobs(step_logits, targets, float(temperature), int(chunk_tokens))
-    valid = completion_mask.to(device) > 0
-    return torch.where(valid, logp, torch.zeros_like(logp))
+    return logits[:, start : start + t]
 
 
 def model_device(model) -> torch.device:

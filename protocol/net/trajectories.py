@@ -42,8 +42,19 @@ DEFAULT_RETRY_AFTER_S = 2.0
 LEARNER_REFRESH_S = 3.0
 LATENCY_SAMPLES = 2048
 
-Admit = Callable[[dict, bytes], str | None]
-"""Learner-side check of a decoded batch body and its author: None to accept, or the reason to refuse."""
+
+@dataclasses.dataclass(frozen=True)
+class Deferral:
+    """An admission check's "not now": flow control, not a refusal (the sampler keeps the batch and retries
+    after ``retry_after_s``), e.g. a rate limit on authors without a record."""
+
+    reason: str
+    retry_after_s: float
+
+
+Admit = Callable[[dict, bytes], "str | Deferral | None"]
+"""Learner-side check of a decoded batch body and its author: None to accept, the reason to refuse, or a
+:class:`Deferral`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +166,9 @@ class TrajectoryReceiver:
             return self._reply(batch_id, "buffer full", self.retry_after_s)
         if self.admit is not None:
             reason = self.admit(body, author)
+            if isinstance(reason, Deferral):
+                self._count("deferred")
+                return self._reply(batch_id, reason.reason, max(0.1, reason.retry_after_s))
             if reason is not None:
                 self._refuse(author.hex(), "admit", reason)
                 return self._reply(batch_id, f"refused: {reason}", 0.0)
@@ -174,7 +188,9 @@ class TrajectoryReceiver:
         with self._lock:
             self.rejected[category] += 1
             self.strikes[who] += 1
-        log.warning("refused a trajectory batch from %s: %s", who[:16], reason)
+            n = self.strikes[who]
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th... of a sender: logs stay bounded under a flood
+            log.warning("refused a trajectory batch from %s (refusal %d): %s", who[:16], n, reason)
 
     def _reply(self, batch_id: bytes, reason: str | None, retry_after_s: float = 0.0) -> bytes:
         if reason is None:

@@ -9,6 +9,7 @@ from command-line overrides.
   advantage estimators, chat modes);
 - :mod:`.sections` ``[model]``, ``[task]``, ``[objective]``, ``[sampling]``, ``[limits]``;
 - :mod:`.roles` ``[learner]``, ``[sampler]``, ``[adapter]``;
+- :mod:`.trust` ``[trust]``;
 - :mod:`.run` :class:`Run`, :class:`RunConfig` (run.toml), :class:`RunSettings`;
 - :mod:`.spec` where settings travel in a RunSpec body; :mod:`.tree` the parser; :mod:`.flags` CLI flags
   made from settings; :mod:`.toml_text` run.toml written from a tree.
@@ -48,6 +49,7 @@ from .sections import (
 )
 from .spec import SPEC_FORMAT
 from .tree import UNSET, apply_overrides, from_dict, from_overrides, paths, to_dict
+from .trust import TrustSettings
 
 __all__ = [
     "ADAPTER_FLAG_HELP",
@@ -69,6 +71,7 @@ __all__ = [
     "RunConfig",
     "RunSettings",
     "SamplerSettings",
+    "TrustSettings",
     "SamplingSettings",
     "TaskSettings",
     "add_adapter_flag",

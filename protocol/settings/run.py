@@ -23,6 +23,7 @@ from .base import REQUIRED, check_update_fits, setting
 from .roles import AdapterSettings, LearnerSettings, SamplerSettings
 from .sections import LimitsSettings, ModelSettings, ObjectiveSettings, SamplingSettings, TaskSettings
 from .tree import apply_overrides, from_dict, to_dict
+from .trust import TrustSettings
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,11 @@ save_every_s = 300                 # save the learner's state at most this often
 prompts_per_batch = 2              # prompt groups per TrajectoryBatch
 max_lag = 4                        # stop generating while more than 4 versions behind the newest (-1: never)
 
+[trust]                            # how learners check what samplers send (docs/trust.md)
+check_rate = 0.1                   # share of batches of authors with a record that are recomputed and checked
+record_batches = 16                # an author's first 16 batches (and 16 after a strike): checked, held
+ban_strikes = 3                    # refused batches that ban an author for the run
+
 # [adapter]                        # LoRA adapters on a frozen base; absent: full fine-tuning
 # rank = 8                         # checkpoints carry only the adapters (rank × (in + out) per target)
 # alpha = 16                       # scale alpha / rank; adapter runs want ~10x the full-FT lr (5e-3)
@@ -85,6 +91,7 @@ class Run:
     limits: LimitsSettings = setting(None, "[limits]", factory=LimitsSettings)
     learner: LearnerSettings = setting(None, "[learner]", factory=LearnerSettings)
     sampler: SamplerSettings = setting(None, "[sampler]", factory=SamplerSettings)
+    trust: TrustSettings = setting(None, "[trust]", factory=TrustSettings)
     adapter: AdapterSettings | None = setting(None, "[adapter]: LoRA on a frozen base; absent: full FT")
 
     def __post_init__(self) -> None:

@@ -46,7 +46,14 @@ CREATE TABLE batches (
 CREATE INDEX batches_applied_step ON batches (applied_step);
 CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
-# data is NULL (and size 0) once pruned; applied_step is NULL while the batch is pending.
+# data is NULL (and size 0) once pruned; applied_step is NULL while the batch is pending, DROPPED if dropped.
+DROPPED = -1
+
+# added after the first schema: created where missing, so a ledger written before them opens as it was
+_ADDED = (
+    "CREATE TABLE IF NOT EXISTS dropped (batch_id BLOB PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS bans (author BLOB PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL)",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +76,53 @@ class AcceptedLog(SqliteStore):
 
     KIND, APPLICATION_ID, SCHEMA_VERSION, SCHEMA = "ledger", APPLICATION_ID, SCHEMA_VERSION, _SCHEMA
 
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        with self._txn() as conn:
+            for statement in _ADDED:
+                conn.execute(statement)
+
+    # -- dropping: a banned author's batches not yet trained on --------------------------------------------
+
+    def drop(self, batch_ids: Iterable[bytes], reason: str, at: float) -> int:
+        """Mark pending batches dropped, with the reason: never handed back by :meth:`pending` (a restart
+        does not replay them). Returns how many were pending."""
+        with self._txn() as conn:
+            n = 0
+            for b in batch_ids:
+                b = bytes(b)
+                n += conn.execute(
+                    "UPDATE batches SET applied_step = ? WHERE batch_id = ? AND applied_step IS NULL",
+                    (DROPPED, b),
+                ).rowcount
+                conn.execute(
+                    "INSERT OR REPLACE INTO dropped (batch_id, reason, at) VALUES (?, ?, ?)", (b, reason, at)
+                )
+        return n
+
+    def pending_of(self, author: bytes) -> list[bytes]:
+        """Ids of ``author``'s batches accepted and not yet applied."""
+        with self._txn() as conn:
+            rows = conn.execute(
+                "SELECT batch_id FROM batches WHERE author = ? AND applied_step IS NULL ORDER BY seq",
+                (bytes(author),),
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def dropped(self) -> dict[bytes, str]:
+        """Dropped batch ids and why."""
+        with self._txn() as conn:
+            return dict(conn.execute("SELECT batch_id, reason FROM dropped").fetchall())
+
+    def ban(self, author: bytes, reason: str, at: float) -> None:
+        with self._txn() as conn:
+            row = (bytes(author), reason, at)
+            conn.execute("INSERT OR IGNORE INTO bans (author, reason, at) VALUES (?, ?, ?)", row)
+
+    def bans(self) -> dict[bytes, str]:
+        """Authors banned for the run, and why (they stay banned across restarts)."""
+        with self._txn() as conn:
+            return dict(conn.execute("SELECT author, reason FROM bans").fetchall())
 
     # -- receiving -----------------------------------------------------------------------------------------
 
@@ -182,14 +236,14 @@ class AcceptedLog(SqliteStore):
     def applied_count(self) -> int:
         """Batches marked applied (pruned ones included)."""
         with self._txn() as conn:
-            return conn.execute("SELECT count(*) FROM batches WHERE applied_step IS NOT NULL").fetchone()[0]
+            return conn.execute("SELECT count(*) FROM batches WHERE applied_step >= 0").fetchone()[0]
 
     def applied_ids(self, step: int | None = None) -> list[bytes]:
         """Ids of the applied batches (only those applied at ``step`` if given), oldest first."""
         with self._txn() as conn:
             if step is None:
                 rows = conn.execute(
-                    "SELECT batch_id FROM batches WHERE applied_step IS NOT NULL ORDER BY seq"
+                    "SELECT batch_id FROM batches WHERE applied_step >= 0 ORDER BY seq"
                 ).fetchall()
             else:
                 rows = conn.execute(
@@ -200,15 +254,17 @@ class AcceptedLog(SqliteStore):
     def stats(self) -> dict[str, int]:
         """Counts under ``ledger/…`` keys; ``duplicates`` is a persisted lifetime counter."""
         with self._txn() as conn:
-            accepted, applied, stored = conn.execute(
-                "SELECT count(*), count(applied_step), coalesce(sum(size), 0) FROM batches"
+            accepted, applied, dropped, stored = conn.execute(
+                "SELECT count(*), count(applied_step >= 0 OR NULL), count(applied_step < 0 OR NULL),"
+                " coalesce(sum(size), 0) FROM batches"
             ).fetchone()
             row = conn.execute("SELECT value FROM counters WHERE name = 'duplicates'").fetchone()
         return {
             "ledger/accepted": accepted,
             "ledger/duplicates": 0 if row is None else row[0],
             "ledger/applied": applied,
-            "ledger/pending": accepted - applied,
+            "ledger/pending": accepted - applied - dropped,
+            "ledger/dropped": dropped,
             "ledger/bytes": stored,
         }
 

@@ -271,6 +271,11 @@ class ChunkStore:
                 out["deltas"] = [{**d, "chunk_hashes": list(d["chunk_hashes"])} for d in b["deltas"]]
             return out
 
+    def has_version(self, version: int) -> bool:
+        """Whether ``version``'s manifest is stored."""
+        with self._lock:
+            return version in self._bodies
+
     def versions(self) -> list[int]:
         """Versions with a stored manifest, ascending."""
         with self._lock:

@@ -26,6 +26,8 @@ MAX_TEXT = 4096
 BATCH_ID_BYTES = 16
 MAX_STATS = 64
 HASH_BYTES = 32
+MAX_BANS = 32  # banned authors a learner's heartbeat names (the most recent)
+MAX_BAN_REASON = 200
 MAX_DELTAS = 8  # a manifest offers its version as a delta against at most this many older versions
 
 _token_ids = s.array(s.integer(0, 1 << 31), MAX_TOKENS)
@@ -120,7 +122,11 @@ SCHEMAS: dict[str, s.Check] = {
             # what the peer wants the swarm's view to show: learner step, reward, ESS, staleness buckets...
             "stats": s.array(s.record({"name": s.text(32), "value": s.number(-1e15, 1e15)}), MAX_STATS),
         },
-        optional={"backend": s.text(64)},  # a sampler's rollout engine, e.g. "vllm 0.32.0, bfloat16, cuda"
+        optional={
+            "backend": s.text(64),  # a sampler's rollout engine, e.g. "vllm 0.32.0, bfloat16, cuda"
+            # a learner's banned authors and why (the coordinator's view shows them)
+            "bans": s.array(s.record({"author": _key, "reason": s.text(MAX_BAN_REASON)}), MAX_BANS),
+        },
     ),
     # "I hold chunks of this checkpoint version; fetch them from me" (complete: every chunk held).
     "Provider": s.record(
@@ -169,6 +175,12 @@ def pack_stats(stats: dict[str, float]) -> list[dict]:
     """A Heartbeat's ``stats`` field from a flat name → number map (finite values only, sorted, capped)."""
     items = [(k[:32], float(v)) for k, v in sorted(stats.items()) if v is not None and math.isfinite(v)]
     return [{"name": k, "value": max(-1e15, min(1e15, v))} for k, v in items[:MAX_STATS]]
+
+
+def pack_bans(bans: dict[bytes, str]) -> list[dict]:
+    """A Heartbeat's ``bans`` field from author key → reason (the last :data:`MAX_BANS`, reasons capped)."""
+    items = list(bans.items())[-MAX_BANS:]
+    return [{"author": bytes(a), "reason": r[:MAX_BAN_REASON]} for a, r in items]
 
 
 def unpack_stats(stats: list[dict]) -> dict[str, float]:

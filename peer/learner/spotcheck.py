@@ -1,0 +1,206 @@
+"""Spot checks: recompute a random, unpredictable sample of batches under the version each one claims, and
+judge their behaviour log-probs and token choices (:mod:`.rollout_stats`).
+
+Which batches: all of an author's until it has a record, then ``trust.check_rate`` of them, drawn from the
+OS's randomness (:class:`.reputation.Reputation`). The weights of the claimed version come from the learner's
+own chunk store (every version it published, as the samplers received it, in the checkpoint dtype), a few
+kept in memory; the checker runs its own copy of the model, so training never waits on it nor shares its
+weights. A version the store no longer holds cannot be checked: the batch is refused without a strike (its
+data is that stale anyway).
+
+The verdict (:func:`judge`) refuses a batch whose claimed log-probs disagree with the recomputation (the
+median over rows of each row's median ``exp(|Δ|) - 1``, or any one row's, or the mean ``|Δ|`` over all its
+tokens), whose token choices are atypical
+of the run's sampling distribution (the batch's z, or the author's checked batches' z taken together), or
+that holds tokens outside the top-p nucleus.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from heterorl.protocol.settings import TrustSettings
+from heterorl.protocol.wire.checkpoint import deserialize_state_dict
+
+from ..model.logprobs import completion_logits
+from .intake import Refusal
+from .reputation import Reputation
+from .rollout_stats import RowStats, row_stats
+from .rows import rows_from_bodies
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    reason: str | None  # None: passed
+    strike: bool = True  # False: the batch could not be checked (not the author's fault)
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
+def judge(stats: RowStats, trust: TrustSettings, author_z: float | None = None) -> str | None:
+    """Why a checked batch is refused, or None (pure: the thresholds are the run's ``[trust]``)."""
+    dev = stats.batch_logprob_dev_median()
+    if dev > trust.max_logprob_dev:
+        return f"behaviour log-probs disagree with the recomputation (median exp|Δ|-1 {dev:.3f})"
+    gap = stats.batch_logprob_gap_mean()
+    if gap > trust.max_logprob_gap:
+        return f"behaviour log-probs disagree with the recomputation (mean |Δ| {gap:.3f})"
+    worst = float(stats.logprob_dev_median.max()) if len(stats.tokens) else 0.0
+    if worst > trust.max_row_logprob_dev:
+        return f"a row's behaviour log-probs disagree with the recomputation (median exp|Δ|-1 {worst:.3f})"
+    tokens = float(stats.tokens.sum())
+    outside = float(stats.outside.sum()) / max(1.0, tokens)
+    if outside > trust.max_outside_nucleus:
+        return f"{outside:.1%} of tokens lie outside the run's top-p nucleus"
+    z = stats.batch_typicality_z()
+    if abs(z) > trust.max_typicality_z:
+        likely = "less" if z > 0 else "more"
+        return f"tokens {likely} likely than the run's sampling makes them (z = {z:+.1f})"
+    if author_z is not None and abs(author_z) > trust.max_typicality_z:
+        likely = "less" if author_z > 0 else "more"
+        return f"its checked tokens together are {likely} likely than sampled ones (z = {author_z:+.1f})"
+    return None
+
+
+class VersionWeights:
+    """Published versions' weights from the chunk store (``load(version) -> safetensors bytes or None``), the
+    ``keep`` most recently used kept in memory."""
+
+    def __init__(self, load: Callable[[int], bytes | None], keep: int):
+        self.load, self.keep = load, keep
+        self._cache: collections.OrderedDict[int, dict[str, torch.Tensor]] = collections.OrderedDict()
+        self._lock = threading.Lock()  # the publisher puts, the checker gets
+        self.loads = 0
+
+    def put(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """A version just published (its tensors, not copied: a snapshot is never changed after)."""
+        with self._lock:
+            self._cache[version] = state
+            self._trim()
+
+    def get(self, version: int) -> dict[str, torch.Tensor] | None:
+        with self._lock:
+            if version in self._cache:
+                self._cache.move_to_end(version)
+                return self._cache[version]
+        data = self.load(version)
+        if data is None:
+            return None
+        state = deserialize_state_dict(data)
+        with self._lock:
+            self.loads += 1
+            self._cache[version] = state
+            self._trim()
+        return state
+
+    def _trim(self) -> None:
+        while len(self._cache) > self.keep:
+            self._cache.popitem(last=False)
+
+
+class SpotCheck:
+    """``check(body, author) -> None | Refusal`` for the admission chain; ``last`` is the latest verdict."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        versions: VersionWeights,
+        reputation: Reputation,
+        trust: TrustSettings,
+        *,
+        pad_id: int,
+        temperature: float,
+        top_p: float,
+    ):
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)  # its own weights, never training's
+        self.versions, self.reputation, self.trust = versions, reputation, trust
+        self.pad_id, self.temperature, self.top_p = pad_id, temperature, top_p
+        self._loaded: int | None = None
+        self._lock = threading.Lock()  # one check at a time on the checker's model
+        self.checked = 0
+        self.refused = 0
+        self.unverifiable = 0
+        self.seconds = 0.0
+        self.rows_checked = 0
+        self.last: Verdict | None = None
+
+    def __call__(self, body: dict, author: bytes) -> str | Refusal | None:
+        if not self.reputation.should_check(author):
+            return None
+        verdict = self.verify(body, author)
+        self.last = verdict
+        if verdict.reason is None:
+            s = verdict.stats
+            self.reputation.passed_check(author, s["z_num"], s["z_var"])
+            return None
+        return Refusal(verdict.reason, verdict.strike)
+
+    def verify(self, body: dict, author: bytes) -> Verdict:
+        """Recompute and judge one batch (counted in ``seconds``)."""
+        t = time.perf_counter()
+        try:
+            with self._lock:
+                try:
+                    stats = self._stats(body)
+                except Exception as e:  # weights that do not load, a model that fails: not the author's fault
+                    log.warning("a batch could not be checked: %s: %s", type(e).__name__, e)
+                    self._loaded = None
+                    self.unverifiable += 1
+                    return Verdict(f"could not be checked ({type(e).__name__})", strike=False)
+                if stats is None:
+                    self.unverifiable += 1
+                    v = body["policy_version"]
+                    return Verdict(f"version {v} is no longer held to check the batch against", strike=False)
+                self.checked += 1
+                self.rows_checked += len(stats.tokens)
+            num = float((stats.surprise - stats.entropy).sum())
+            var = float(stats.variance.sum())
+            reason = judge(stats, self.trust, self.reputation.typicality_z(author, num, var))
+            if reason is not None:
+                with self._lock:
+                    self.refused += 1
+            summary = {
+                "logprob_dev": stats.batch_logprob_dev_median(),
+                "logprob_gap": stats.batch_logprob_gap_mean(),
+                "logprob_dev_row_max": float(stats.logprob_dev_median.max()),
+                "z": stats.batch_typicality_z(),
+                "z_num": num,
+                "z_var": var,
+                "tokens": float(stats.tokens.sum()),
+            }
+            return Verdict(reason, stats=summary)
+        finally:
+            with self._lock:
+                self.seconds += time.perf_counter() - t
+
+    @torch.no_grad()
+    def _stats(self, body: dict) -> RowStats | None:
+        version = body["policy_version"]
+        if self._loaded != version:
+            state = self.versions.get(version)
+            if state is None:
+                return None
+            self._loaded = None  # until the load completes
+            self.model.load_state_dict(state)
+            self._loaded = version
+        rows = rows_from_bodies([body], self.pad_id)
+        logits = completion_logits(self.model, rows.prompts, rows.completions, rows.mask, self.pad_id)
+        return row_stats(logits, rows.completions, rows.mask, rows.logq, self.temperature, self.top_p)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "trust/checked": self.checked,
+            "trust/refused": self.refused,
+            "trust/unverifiable": self.unverifiable,
+            "trust/check_s": round(self.seconds, 3),
+            "trust/rows_checked": self.rows_checked,
+        }

@@ -1,0 +1,78 @@
+"""``[trust]``: how learners check what samplers send (spot checks of behaviour log-probs and token choices,
+version claims, strikes and bans, and rate limits on authors without a record). Defaults are calibrated on
+honest runs of every engine and dtype we have (docs/trust.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .base import check_int, check_number, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class TrustSettings:
+    """``[trust]``: the learner's checks of sampled rollouts and what a failed one costs its author."""
+
+    check_rate: float = setting(
+        0.1, "share of batches from authors with a record whose rows are recomputed and checked"
+    )
+    record_batches: int = setting(
+        16,
+        "an author's first N batches (and N more after any strike) are all checked, rate-limited and held "
+        "out of training until they passed",
+    )
+    max_logprob_dev: float = setting(
+        0.10,
+        "refuse a batch whose median over rows of the median per-token exp(|log q - log π|) - 1 exceeds "
+        "this (claimed vs recomputed behaviour log-probs)",
+    )
+    max_logprob_gap: float = setting(
+        0.15, "refuse a batch whose mean |log q - log π| over all its tokens exceeds this"
+    )
+    max_row_logprob_dev: float = setting(
+        1.0, "refuse a batch holding any row whose median exp(|log q - log π|) - 1 exceeds this"
+    )
+    max_typicality_z: float = setting(
+        6.0,
+        "refuse a batch whose token choices are this many standard deviations more or less likely than "
+        "the run's sampling distribution makes them (also an author's checked batches taken together)",
+    )
+    max_outside_nucleus: float = setting(
+        0.02, "refuse a batch with more than this share of tokens outside the top-p nucleus"
+    )
+    ban_strikes: int = setting(3, "ban an author for the run after this many refused batches...")
+    ban_strike_share: float = setting(
+        0.2, "... if they are also at least this share of its checked batches (0: strikes alone)"
+    )
+    new_author_batches_per_s: float = setting(
+        2.0, "batches per second taken from all authors without a record together (more are deferred)"
+    )
+    new_author_buffer_share: float = setting(
+        0.25,
+        "batches of authors without a record held on probation, as a share of learner.buffer_batches (at "
+        "least 2 × record_batches); more are deferred",
+    )
+    check_versions: int = setting(
+        8, "published versions the checker keeps in memory, in the checkpoint dtype (others are read back)"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("check_rate", "new_author_buffer_share"):
+            value = getattr(self, name)
+            check_number(f"trust.{name}", value, 0, low_included=True)
+            if value > 1:
+                raise ValueError(f"trust.{name} must be at most 1, got {value!r}")
+        positive = (
+            "max_logprob_dev",
+            "max_logprob_gap",
+            "max_row_logprob_dev",
+            "max_typicality_z",
+            "new_author_batches_per_s",
+        )
+        for name in positive:
+            check_number(f"trust.{name}", getattr(self, name), 0)
+        check_number("trust.max_outside_nucleus", self.max_outside_nucleus, 0, low_included=True)
+        check_number("trust.ban_strike_share", self.ban_strike_share, 0, low_included=True)
+        check_int("trust.record_batches", self.record_batches, 0)
+        check_int("trust.ban_strikes", self.ban_strikes, 1)
+        check_int("trust.check_versions", self.check_versions, 1)

@@ -1,0 +1,193 @@
+"""SpotCheck on real rollouts of the tiny model: honest rows pass, forged log-probs and a wrong version claim
+are refused with a strike, a version no longer held is refused without one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from heterorl.peer.learner.intake import Refusal
+from heterorl.peer.learner.reputation import Reputation
+from heterorl.peer.learner.spotcheck import SpotCheck, VersionWeights
+from heterorl.peer.model import load_model
+from heterorl.peer.model.prompts import PromptFormat
+from heterorl.peer.rollout import SamplingParams, make_backend
+from heterorl.peer.tasks import get_task
+from heterorl.protocol.settings import TrustSettings
+from heterorl.protocol.wire.checkpoint import serialize_state_dict
+
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
+TEMPERATURE, TOP_P = 1.0, 0.95
+GROUP, PROMPTS = 4, 6  # rows per prompt, prompts per batch
+MAX_NEW_TOKENS = 8
+# version 1: every weight plus Gaussian noise of this std. (At 0.05, some seeds give a version whose 2-3 token
+# arithmetic completions stay within the default thresholds: each row's median is over a few tokens, most of
+# them near-certain under both versions.)
+NOISE = 0.1
+
+
+def batch_rows(rollouts) -> list[dict]:
+    """A rollout's rows as a TrajectoryBatch holds them (as the sampler's make_batches builds them)."""
+    rows = []
+    for j in range(len(rollouts.texts)):
+        n = int(rollouts.lengths[j])
+        rows.append(
+            {
+                "group": j // GROUP,
+                "prompt_ids": list(rollouts.prompt_ids[j]),
+                "completion_ids": rollouts.completion_ids[j, :n].tolist(),
+                "logprobs": [min(0.0, x) for x in rollouts.logprobs[j, :n].tolist()],
+                "reward": 0.0,
+            }
+        )
+    return rows
+
+
+def batch(rows: list[dict], version: int, t: float = 1.0) -> dict:
+    return {"batch_id": b"x" * 16, "policy_version": version, "timestamp": t, "rows": rows}
+
+
+@pytest.fixture(scope="module")
+def world(tiny_model_dir):
+    """The tiny model (version 0), a perturbed copy (version 1), and a batch of honest rows of each."""
+    model, tok = load_model(str(tiny_model_dir))
+    model.eval()
+    perturbed, _ = load_model(str(tiny_model_dir))
+    gen = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * NOISE)
+    perturbed.eval()
+    task = get_task("arithmetic", digits=1)
+    rng = random.Random(5)
+    fmt = PromptFormat(tok)
+    prompts = [fmt.encode(task.sample(rng).prompt) for _ in range(PROMPTS) for _ in range(GROUP)]
+    params = SamplingParams(TEMPERATURE, TOP_P, MAX_NEW_TOKENS)
+    torch.manual_seed(0)
+    rows = {
+        0: batch_rows(make_backend("hf", tiny_model_dir, tok, model=model).generate(prompts, params)),
+        1: batch_rows(make_backend("hf", tiny_model_dir, tok, model=perturbed).generate(prompts, params)),
+    }
+    weights = {0: serialize_state_dict(model.state_dict()), 1: serialize_state_dict(perturbed.state_dict())}
+    return model, tok, weights, rows
+
+
+def make_check(world, load=None, trust: TrustSettings | None = None) -> SpotCheck:
+    model, tok, weights, _ = world
+    trust = trust or TrustSettings()
+    return SpotCheck(
+        model,
+        VersionWeights(load or weights.get, trust.check_versions),
+        Reputation(trust, buffer_capacity=64),
+        trust,
+        pad_id=tok.pad_token_id,
+        temperature=TEMPERATURE,
+        top_p=TOP_P,
+    )
+
+
+def tokens_of(rows: list[dict]) -> int:
+    return sum(len(r["completion_ids"]) for r in rows)
+
+
+def test_honest_rows_pass(world):
+    _, _, _, rows = world
+    assert tokens_of(rows[0]) >= 2 * len(rows[0])  # something to check
+    check = make_check(world)
+    author = b"h" * 32
+    assert check(batch(rows[0], 0), author) is None
+    v = check.last
+    assert v is not None and v.reason is None
+    assert v.stats["logprob_dev"] < 1e-3  # the hf engine in float32 reports what the checker recomputes
+    assert abs(v.stats["z"]) < 6
+    assert v.stats["tokens"] == tokens_of(rows[0])
+    assert check.checked == 1 and check.refused == 0 and check.rows_checked == len(rows[0])
+    record = check.reputation.record(author)
+    assert record.passed == 1 and record.checked == 1
+    assert record.z_var == pytest.approx(v.stats["z_var"])
+
+
+def test_shifted_logprobs_are_refused_with_a_strike(world):
+    _, _, _, rows = world
+    forged = [{**r, "logprobs": [x - 0.3 for x in r["logprobs"]]} for r in rows[0]]
+    check = make_check(world)
+    author = b"f" * 32
+    out = check(batch(forged, 0), author)
+    assert isinstance(out, Refusal) and out.strike
+    assert "log-probs disagree" in out.reason
+    assert check.last.stats["logprob_dev"] == pytest.approx(torch.tensor(0.3).expm1().item(), abs=1e-3)
+    assert check.refused == 1
+    assert check.reputation.record(author).passed == 0
+
+
+def test_a_version_no_longer_held_is_refused_without_a_strike(world):
+    _, _, _, rows = world
+    check = make_check(world, load=lambda version: None)
+    out = check(batch(rows[0], 7), b"u" * 32)
+    assert isinstance(out, Refusal) and not out.strike
+    assert "7" in out.reason
+    assert check.unverifiable == 1 and check.checked == 0 and check.refused == 0
+
+
+def test_rows_of_another_version_are_refused(world):
+    model, _, _, rows = world
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    check = make_check(world)
+    # version 1's own rows pass against version 1's weights
+    assert check(batch(rows[1], 1), b"1" * 32) is None, check.last
+    # version 0's rows claiming version 1 do not
+    out = check(batch(rows[0], 1), b"2" * 32)
+    assert isinstance(out, Refusal) and out.strike, check.last
+    assert check.last.stats["logprob_dev"] > TrustSettings().max_logprob_dev
+    # and back: version 0's rows claiming version 0 pass (the checker switches its weights)
+    assert check(batch(rows[0], 0), b"3" * 32) is None, check.last
+    assert check.versions.loads == 2  # each version loaded once
+    # version 1's rows claiming version 0 do not
+    out = check(batch(rows[1], 0), b"4" * 32)
+    assert isinstance(out, Refusal) and out.strike, check.last
+    assert check.last.stats["logprob_dev"] > TrustSettings().max_logprob_dev
+    # the checker's own copy took the weights: the model it was given is untouched
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_honest_authors_are_checked_until_they_have_a_record(world):
+    _, _, _, rows = world
+    trust = TrustSettings(record_batches=3, check_rate=0.0)
+    check = make_check(world, trust=trust)
+    author = b"r" * 32
+    per = len(rows[0]) // trust.record_batches  # distinct rows in each (the same rows again would add up)
+    for b in range(trust.record_batches):
+        assert check(batch(rows[0][b * per : (b + 1) * per], 0), author) is None, check.last
+    assert check.checked == trust.record_batches
+    record = check.reputation.record(author)
+    assert record.passed == trust.record_batches
+    assert check.reputation.has_record(author), record
+    forged = [{**r, "logprobs": [x - 1.0 for x in r["logprobs"]]} for r in rows[0]]
+    assert check(batch(forged, 0), author) is None  # check_rate 0: no longer checked
+    assert check.checked == trust.record_batches
+    assert check.stats()["trust/checked"] == trust.record_batches
+
+
+def test_version_weights_keeps_the_most_recent():
+    states = {v: serialize_state_dict({"w": torch.full((3,), float(v))}) for v in range(4)}
+    asked: list[int] = []
+
+    def load(version: int) -> bytes | None:
+        asked.append(version)
+        return states.get(version)
+
+    vw = VersionWeights(load, keep=2)
+    assert vw.get(0)["w"].tolist() == [0.0] * 3
+    assert vw.get(1)["w"].tolist() == [1.0] * 3
+    vw.get(0)  # kept; now the most recently used
+    vw.get(2)  # evicts 1
+    vw.get(0)
+    vw.get(1)
+    assert asked == [0, 1, 2, 1]
+    assert vw.loads == 4
+    assert vw.get(9) is None
+    assert vw.loads == 4 and asked[-1] == 9
