@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .options import apply_real_preset, local_model, run_of, run_toml
+from .options import apply_real_preset, local_model, peer_consent, run_of, run_toml
 from .procs import Proc, ready_line, stop_all
 from .report import curve_line, render, summarise, view_of
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         ready = ready_line(coord, 120)
         boot = ["--bootstrap", *ready["maddrs"], "--run-key", ready["run_key"]]
         log.info("coordinator up: dashboard %s", ready["dashboard"])
-        common = ["peer", *boot, "--threads", "1"]
+        common = ["peer", *boot, "--threads", "1", *peer_consent(settings)]
         learner = Proc(
             "learner",
             [*common, "--role", "learner", "--state-dir", str(learner_dir), "--max-steps", str(args.steps)],
