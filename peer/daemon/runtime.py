@@ -135,8 +135,9 @@ class PeerRuntime:
         data = None
         if self.dataset_id is not None:
             del params[DATASET_PARAM]
+            run_id, dataset_id = self.settings.run_id, self.dataset_id
             data = self.node.call(
-                fetch_dataset(self.node, self.store, self.settings.run_id, self.dataset_id),
+                fetch_dataset(self.node, self.store, run_id, dataset_id, timeout=DATASET_TIMEOUT_S),
                 timeout=DATASET_TIMEOUT_S + 60,
             )
             log.info("data set %s: %d bytes, verified", self.dataset_id.hex()[:16], len(data))
