@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -335,12 +334,11 @@ def test_a_peer_refuses_a_runspec_naming_files_on_its_machine(tmp_path, tiny_mod
         auto = shutil.copytree(tiny_model_dir, tmp_path / "custom-code")
         config = json.loads((auto / "config.json").read_text())
         (auto / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "modeling.M"}}))
-        boot = ["--bootstrap", *swarm.ready["maddrs"]]
+        argv = ["peer", "--state-dir", str(tmp_path / "x"), "--bootstrap", *swarm.ready["maddrs"]]
+        argv += ["--model-dir", str(auto)]
         done = subprocess.run(
-            [sys.executable, "-m", "heterorl.cli", "peer", "--state-dir", str(tmp_path / "x"), *boot,
-             "--model-dir", str(auto)],
-            capture_output=True, text=True, timeout=60, env={**os.environ},
-        )  # fmt: skip
+            [sys.executable, "-m", "heterorl.cli", *argv], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 2 and "auto_map" in done.stderr, done.stderr[-2000:]
     finally:
         swarm.close()

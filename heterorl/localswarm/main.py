@@ -88,15 +88,9 @@ def run(args: argparse.Namespace) -> int:
             d = out / f"sampler-{i}"
             sampler_dirs.append(d)
             backend = args.sampler_backends[min(i, len(args.sampler_backends) - 1)]
-            procs.append(
-                Proc(
-                    f"sampler-{i}",
-                    # below the learner: on one machine, samplers take the CPU the learner leaves
-                    [*common, "--state-dir", str(d), "--slowdown", str(slow), "--backend", backend, "--nice",
-                     str(SAMPLER_NICE)],  # fmt: skip
-                    out / f"sampler-{i}.stderr.log",
-                )
-            )
+            argv = [*common, "--state-dir", str(d), "--slowdown", str(slow), "--backend", backend]
+            argv += ["--nice", str(SAMPLER_NICE)]  # below the learner: samplers take the CPU it leaves
+            procs.append(Proc(f"sampler-{i}", argv, out / f"sampler-{i}.stderr.log"))
         tty = sys.stdout.isatty() and not args.no_view
         shown = 0
         last_log = 0.0
