@@ -1,5 +1,5 @@
 """``heterorl coordinator``: sign the RunSpec, run a bootstrap DHT node, keep the swarm's view, serve the
-dashboard.
+dashboard, and serve the run's data set (a ``jsonl:PATH`` task: :mod:`.hosting`) from its chunk store.
 
 The run does not depend on it: the RunSpec lives in the DHT and every peer serves it, learners and samplers
 talk directly. A restarted coordinator reuses the RunSpec (and run id) and the view kept in its state
@@ -18,14 +18,22 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from heterorl.protocol.settings import Run, RunConfig, add_set_flag, load_run_config, overrides_of
 from heterorl.protocol.storage.files import atomic_write
+from heterorl.protocol.wire.dataset import MAX_DATASET_BYTES
+
+if TYPE_CHECKING:  # imported where used: `heterorl --help` loads this module, and no network code
+    from heterorl.protocol.storage.store import ChunkStore
+
+    from .hosting import CheckDataset
 
 log = logging.getLogger("heterorl.coordinator")
 
 SPEC_REPUBLISH_S = 3600.0
 REJOIN_EVERY_S = 5.0  # how often a coordinator that knows no DHT peer calls the peers it saw before
+STORE_BYTES = 2 * MAX_DATASET_BYTES  # its chunk store holds the run's data set and nothing else
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -55,8 +63,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 InitialState = Callable[[Run, Path], "tuple[bytes, int, bytes | None]"]
 
 
-def _sign_spec(args: argparse.Namespace, state_dir: Path, identity, initial_state: InitialState) -> bytes:
-    """The stored RunSpec, or a new one signed from --run-config (model loaded once for its hash)."""
+def _sign_spec(
+    args: argparse.Namespace,
+    state_dir: Path,
+    identity,
+    initial_state: InitialState,
+    store: ChunkStore,
+    check_dataset: CheckDataset,
+) -> bytes:
+    """The stored RunSpec, or a new one signed from --run-config (model loaded once for its hash, a jsonl
+    data set put into ``store`` and named by its id: :func:`.hosting.host_files`)."""
     from heterorl.protocol import decode, encode
 
     stored = state_dir / "runspec.msgpack"
@@ -74,7 +90,9 @@ def _sign_spec(args: argparse.Namespace, state_dir: Path, identity, initial_stat
         return raw
     if not args.run_config:
         raise ValueError("first start needs --run-config run.toml (heterorl coordinator --example-config)")
-    cfg = load_run_config(args.run_config, overrides_of(args))
+    from .hosting import host_files
+
+    cfg = host_files(load_run_config(args.run_config, overrides_of(args)), store, check_dataset)
     initial, vocab_size, base = initial_state(cfg, state_dir / "models")
     body = cfg.runspec_body(initial, vocab_size, base_hash=base)
     raw = encode("RunSpec", body, identity)
@@ -91,8 +109,9 @@ def _sign_spec(args: argparse.Namespace, state_dir: Path, identity, initial_stat
     return raw
 
 
-def run(args: argparse.Namespace, initial_state: InitialState) -> int:
-    """Host the run until SIGTERM/SIGINT; ``initial_state`` hashes the model for a new RunSpec."""
+def run(args: argparse.Namespace, initial_state: InitialState, check_dataset: CheckDataset) -> int:
+    """Host the run until SIGTERM/SIGINT; ``initial_state`` hashes the model for a new RunSpec,
+    ``check_dataset`` checks that a jsonl data set parses as its task."""
     if args.example_config:
         from heterorl.protocol.settings import EXAMPLE
 
@@ -111,8 +130,11 @@ def run(args: argparse.Namespace, initial_state: InitialState) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(args.log_level, state_dir / "coordinator.log")
     try:
+        from heterorl.protocol.storage.store import ChunkStore
+
         identity, _ = load_or_create_identity(args.key or state_dir / "coordinator.key")
-        raw = _sign_spec(args, state_dir, identity, initial_state)
+        store = ChunkStore(state_dir / "chunks", max_bytes=STORE_BYTES)
+        raw = _sign_spec(args, state_dir, identity, initial_state, store, check_dataset)
         config = net_config_from_args(args)
         # the same libp2p peer id after a restart: with a fixed port, peers' bootstrap addresses stay valid
         config = dataclasses.replace(config, identity_path=str(state_dir / "p2p.key"))
@@ -132,6 +154,7 @@ def run(args: argparse.Namespace, initial_state: InitialState) -> int:
     lock = threading.Lock()
     try:
         node.call(SpecServer(raw).attach(node))
+        _serve_dataset(node, store, spec)
         node.call(node.addresses(), timeout=30)  # asks the daemon again if they were not known at start
         maddrs = node.maddrs  # peers bootstrap through these (maddrs.txt): never written empty
         view.coordinator = {"peer_id": node.peer_id, "maddrs": maddrs, "started_at": time.time()}
@@ -165,6 +188,34 @@ def run(args: argparse.Namespace, initial_state: InitialState) -> int:
         node.close()
     log.info("coordinator stopped; the run goes on without it")
     return 0
+
+
+def _serve_dataset(node, store: ChunkStore, spec: dict) -> None:
+    """Serve the chunk store and, for a run with a data set, announce this node as its provider (a task the
+    node owns: cancelled when it closes)."""
+    from heterorl.protocol.net.chunks import ChunkServer
+    from heterorl.protocol.net.datasets import held_dataset, keep_announced
+    from heterorl.protocol.settings import RunSettings
+    from heterorl.protocol.wire.dataset import dataset_id_of
+
+    node.call(ChunkServer(store).attach(node))
+    try:
+        task = RunSettings.from_spec(spec).task
+        dataset_id = dataset_id_of(task.name, task.params)
+    except ValueError as e:  # a spec this coordinator signed, so not expected; the run may go on without it
+        log.warning("no data set served: %s", e)
+        return
+    if dataset_id is None:
+        return
+    if held_dataset(store, dataset_id) is None:
+        log.warning(
+            "the run's data set %s is not whole in %s: peers can only fetch it from each other",
+            dataset_id.hex(),
+            store.root,
+        )
+        return
+    node.spawn(keep_announced(node, spec["run_id"], dataset_id))
+    log.info("serving the run's data set %s", dataset_id.hex())
 
 
 def _locked(lock: threading.Lock, fn):

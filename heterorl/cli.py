@@ -261,12 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    """The coordinator, given the peer's model loader to hash a new run's initial weights (the CLI is where
-    the coordinator and peer packages meet; neither imports the other)."""
+    """The coordinator, given the peer's model loader to hash a new run's initial weights and its task code
+    to check a jsonl data set (the CLI is where the coordinator and peer packages meet; neither imports the
+    other)."""
     from heterorl.coordinator.daemon import run
     from heterorl.peer.daemon.weights import initial_state
+    from heterorl.peer.tasks import check_jsonl
 
-    return run(args, initial_state)
+    return run(args, initial_state, check_jsonl)
 
 
 def _bench_module(name: str):

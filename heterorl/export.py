@@ -14,9 +14,10 @@ OUT/learner):
 
 The run (model, learner keys, adapter settings) is the RunSpec the peer joined (``DIR/runspec.msgpack``; its
 signature is checked, and its key against the one pinned in ``DIR/run.json``), and the base model (config,
-tokenizer) is that run's model. In an adapter run the LoRA adapters are merged into the base weights (W0 +
-alpha/rank · B A, as samplers merge them). The chunk store is opened read-only and the output is written to a
-temp folder and renamed into place, so an export can run beside the peer.
+tokenizer) is that run's model, found as the peer finds it (``--model-dir`` where the peer was given one). In
+an adapter run the LoRA adapters are merged into the base weights (W0 + alpha/rank · B A, as samplers merge
+them). The chunk store is opened read-only and the output is written to a temp folder and renamed into place,
+so an export can run beside the peer.
 """
 
 from __future__ import annotations
@@ -80,6 +81,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "checkpoint dtype for a version)",
     )
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
+    ap.add_argument(
+        "--model-dir",
+        default=None,
+        metavar="DIR",
+        help="the base model's directory (its config and tokenizer), as the peer was given it; needed when "
+        "the run's model is a directory on the host's machine",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             version=args.version,
             dtype=args.dtype,
             overwrite=args.overwrite,
+            model_dir=args.model_dir,
         )
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -105,9 +114,11 @@ def export(
     version: int | None = None,
     dtype: str | None = None,
     overwrite: bool = False,
+    model_dir: str | Path | None = None,
 ) -> Path:
     """Write the HF model directory ``out`` from peer state ``state_dir`` (module docstring); ExportError
-    with the reason for anything that cannot be exported."""
+    with the reason for anything that cannot be exported. ``model_dir``: the base model as the peer was given
+    it (``--model-dir``); else the run's model by name (``heterorl.peer.daemon.weights.resolve_model``)."""
     from heterorl.peer.daemon.weights import resolve_model
     from heterorl.peer.model.hf_dir import check_out_dir
 
@@ -126,7 +137,10 @@ def export(
         weights = read_learner_state(state_dir, settings)
     else:
         weights = read_version(state_dir, settings, version)
-    base_dir = resolve_model(settings.model.path, state_dir / "models")
+    try:
+        base_dir = resolve_model(settings.model.path, state_dir / "models", model_dir)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     log.info("run %s, model %s: %s", settings.run_id, settings.model.path, describe(weights))
     state = full_state(weights, settings, base_dir)
     target = dtype or own_dtype(state)

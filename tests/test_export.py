@@ -75,7 +75,7 @@ def _generates(out: Path) -> str:
 
 def test_the_learners_state_exports_as_a_model_transformers_and_vllm_load(learner, tiny_model_dir, tmp_path):
     out = tmp_path / "hf"
-    done = _cli("--state-dir", str(learner), "--out", str(out))
+    done = _cli("--state-dir", str(learner), "--out", str(out), "--model-dir", str(tiny_model_dir))
     assert done.returncode == 0, done.stderr[-3000:]
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
         p.name for p in out.iterdir()
@@ -92,8 +92,8 @@ def test_the_learners_state_exports_as_a_model_transformers_and_vllm_load(learne
     assert vllm["tokens"] > 0 and vllm["max_abs_diff"] < 1e-4, vllm  # vLLM ran these very weights
 
 
-def test_a_published_version_exports_in_its_dtype_verified(learner, tmp_path):
-    out = export(learner, tmp_path / "v", version=STEPS)
+def test_a_published_version_exports_in_its_dtype_verified(learner, tiny_model_dir, tmp_path):
+    out = export(learner, tmp_path / "v", version=STEPS, model_dir=tiny_model_dir)
     got, saved = _exported(out), _saved(learner)
     # the version is what samplers ran: the bf16 rounding of the learner's master at that step
     assert all(
@@ -102,28 +102,32 @@ def test_a_published_version_exports_in_its_dtype_verified(learner, tmp_path):
     record = json.loads((out / "heterorl_export.json").read_text())
     assert (record["version"], record["checkpoint_dtype"]) == (STEPS, "bfloat16")
     _generates(out)
-    wide = _exported(export(learner, tmp_path / "v32", version=STEPS, dtype="float32"))
+    wide = _exported(
+        export(learner, tmp_path / "v32", version=STEPS, dtype="float32", model_dir=tiny_model_dir)
+    )
     assert all(wide[k].dtype == torch.float32 and torch.equal(wide[k], got[k].float()) for k in got)
 
 
-def test_a_version_that_does_not_verify_is_refused(learner, tmp_path):
+def test_a_version_that_does_not_verify_is_refused(learner, tiny_model_dir, tmp_path):
     copy = tmp_path / "learner"
     shutil.copytree(learner, copy)
     msg = copy / "chunks" / "manifests" / f"{STEPS:012d}.msg"
     _, body, _ = decode(msg.read_bytes(), "CheckpointManifest")
     msg.write_bytes(encode("CheckpointManifest", body, Identity.generate()))  # a stranger's signature
     with pytest.raises(ExportError, match="not signed by a learner this run allows"):
-        export(copy, tmp_path / "a", version=STEPS)
+        export(copy, tmp_path / "a", version=STEPS, model_dir=tiny_model_dir)
     shutil.copy(learner / msg.relative_to(copy), msg)
     chunk = body["chunk_hashes"][0].hex()
     path = copy / "chunks" / "chunks" / chunk[:2] / chunk
     path.write_bytes(b"\0" + path.read_bytes()[1:])
     with pytest.raises(ExportError, match="chunk 0 missing or corrupt"):
-        export(copy, tmp_path / "b", version=STEPS)
+        export(copy, tmp_path / "b", version=STEPS, model_dir=tiny_model_dir)
     assert path.exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_what_cannot_be_exported_is_refused_with_exit_status_2(learner, tmp_path):
+def test_what_cannot_be_exported_is_refused_with_exit_status_2(learner, tiny_model_dir, tmp_path):
+    done = _cli("--state-dir", str(learner), "--out", str(tmp_path / "x"))
+    assert done.returncode == 2 and "pass --model-dir DIR" in done.stderr  # the run's model is a directory
     done = _cli("--state-dir", str(learner), "--out", str(tmp_path / "x"), "--version", "999")
     assert (
         done.returncode == 2
@@ -132,17 +136,17 @@ def test_what_cannot_be_exported_is_refused_with_exit_status_2(learner, tmp_path
     )
     sampler = learner.parent / "sampler-0"
     with pytest.raises(ExportError, match="holds no learner state"):
-        export(sampler, tmp_path / "x")
+        export(sampler, tmp_path / "x", model_dir=tiny_model_dir)
     with pytest.raises(ExportError, match="not a peer's state directory"):
-        export(tmp_path, tmp_path / "x")
+        export(tmp_path, tmp_path / "x", model_dir=tiny_model_dir)
     with pytest.raises(ExportError, match="holds the state directory"):
-        export(learner, learner.parent, overwrite=True)
+        export(learner, learner.parent, overwrite=True, model_dir=tiny_model_dir)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep").write_text("mine")
     with pytest.raises(ExportError, match="not empty"):
-        export(learner, tmp_path / "full")
+        export(learner, tmp_path / "full", model_dir=tiny_model_dir)
     assert (tmp_path / "full" / "keep").read_text() == "mine"
-    export(learner, tmp_path / "full", overwrite=True)
+    export(learner, tmp_path / "full", overwrite=True, model_dir=tiny_model_dir)
     assert not (tmp_path / "full" / "keep").exists() and (tmp_path / "full" / "model.safetensors").exists()
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temp folder left
 
@@ -158,8 +162,8 @@ def test_an_adapter_run_exports_the_merged_model(adapter_learner, tiny_model_dir
             expected[name] = base[name] + 2.0 * saved[f"base_model.model.{module}.lora_B.default.weight"] @ a
     assert sum(not torch.equal(expected[k], base[k]) for k in base) == 4  # q and v of 2 layers, trained
     for out in (
-        export(adapter_learner, tmp_path / "state"),
-        export(adapter_learner, tmp_path / "v", version=STEPS),
+        export(adapter_learner, tmp_path / "state", model_dir=tiny_model_dir),
+        export(adapter_learner, tmp_path / "v", version=STEPS, model_dir=tiny_model_dir),
     ):
         got = _exported(out)
         assert got.keys() == base.keys()

@@ -19,11 +19,13 @@ from heterorl.peer.tasks import (
     Example,
     JsonlTask,
     arithmetic_exact,
+    check_jsonl,
     countdown,
     extract_answer,
     get_task,
     gsm8k,
     load_reward,
+    named_reward,
     normalize_answer,
     reward_names,
     task_names,
@@ -56,6 +58,15 @@ def test_get_task_builds_each_kind(tmp_path):
     assert isinstance(get_task("countdown", n_numbers=4), CountdownTask)
     task = get_task(f"jsonl:{path}", answer_field="answer")
     assert isinstance(task, JsonlTask) and task.examples[0].reference == "1"
+    from_bytes = get_task("jsonl", data=path.read_bytes(), answer_field="answer")  # a data set's, fetched
+    assert from_bytes.examples == task.examples
+    assert check_jsonl(path.read_bytes(), {"answer_field": "answer", "reward": "not:imported"}) == 1
+    with pytest.raises(ValueError, match=r"dataset:1: missing field 'q'"):
+        check_jsonl(path.read_bytes(), {"question_field": "q"})
+    with pytest.raises(ValueError, match="reads a file .* or a data set's bytes"):
+        get_task(f"jsonl:{path}", data=b"{}")
+    with pytest.raises(ValueError, match="takes no ':' argument or data"):
+        get_task("arithmetic", data=b"{}")
 
 
 @pytest.mark.parametrize("spec", ["", "arith", "gsm8k", "jsonl", "jsonl:", "arithmetic:3", "countdown:x"])
@@ -574,14 +585,26 @@ def reward_module(tmp_path, monkeypatch):
 
 def test_load_reward_builtin_and_import_path(reward_module):
     assert load_reward("countdown") is countdown
-    fn = load_reward(f"{reward_module}:length_match")
+    fn = load_reward(f"{reward_module}:length_match", [f"{reward_module}:length_match"])
     assert fn("p", "abc", "xyz") == 1.0 and fn("p", "ab", "xyz") == 0.0
-    assert load_reward(f"{reward_module}:Scorers.zero")("p", "c", "r") == 0.0
+    assert (
+        load_reward(f"{reward_module}:Scorers.zero", {f"{reward_module}:Scorers.zero"})("p", "c", "r") == 0.0
+    )
+
+
+def test_a_custom_reward_not_allowed_is_refused_before_its_module_is_imported(reward_module):
+    for allowed in ((), [f"{reward_module}:length_match"]):  # none, or another function of the module
+        with pytest.raises(ValueError, match="not among the rewards allowed"):
+            load_reward(f"{reward_module}:always_half", allowed)
+        with pytest.raises(ValueError, match="not among the rewards allowed"):
+            get_task("arithmetic", allow_rewards=allowed, reward=f"{reward_module}:always_half")
+    assert reward_module not in sys.modules
 
 
 @pytest.mark.parametrize("spec", ["arithmetic", "countdown"])
 def test_custom_reward_plugs_into_task(reward_module, spec):
-    task = get_task(spec, reward=f"{reward_module}:always_half")
+    reward = f"{reward_module}:always_half"
+    task = get_task(spec, allow_rewards=named_reward({"reward": reward}), reward=reward)
     ex = task.sample(random.Random(0))
     assert task.reward(ex.prompt, ex.solution, ex.reference) == 0.5
     assert task.reward(ex.prompt, "garbage", ex.reference) == 0.5
@@ -595,7 +618,8 @@ def test_custom_reward_callable_and_builtin_name(tmp_path):
 
 
 def test_reward_out_of_range_raises(reward_module):
-    task = get_task("arithmetic", reward=f"{reward_module}:too_big")
+    reward = f"{reward_module}:too_big"
+    task = get_task("arithmetic", allow_rewards=[reward], reward=reward)
     with pytest.raises(ValueError, match="outside"):
         task.reward("1+1=", "2", "2")
 
@@ -616,4 +640,4 @@ def test_reward_out_of_range_raises(reward_module):
 )
 def test_load_reward_errors(reward_module, spec, match):
     with pytest.raises(ValueError, match=match):
-        load_reward(spec)
+        load_reward(spec, [spec])

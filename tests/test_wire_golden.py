@@ -126,6 +126,18 @@ MESSAGES = {
             "timestamp": T,
         },
     ),
+    "Provider+dataset": (
+        "Provider",
+        {
+            "run_id": RUN,
+            "version": 0,
+            "peer_id": "12D3KooWGolden",
+            "maddrs": ["/ip4/10.0.0.2/tcp/31337"],
+            "complete": True,
+            "timestamp": T,
+            "dataset": hashlib.sha256(b"dataset manifest").digest(),
+        },
+    ),
     "Ack": ("Ack", {"run_id": RUN, "batch_id": BATCH_ID}),
     "Reject": (
         "Reject",
@@ -275,6 +287,14 @@ GOLDEN_MESSAGES = {
         "03a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8a3736967c44015fb2b32f7277cfb66ab"
         "9a6fef538ddc467b2e849e200cea0fa6c2f85b24b693e71ffa8aff3850e1d49f129674fa567e27c27c0340cf1c46f742"
         "ee8edc73790f"
+    ),
+    "Provider+dataset": (
+        "85a17601a474797065a850726f7669646572a4626f647987a672756e5f6964aa676f6c64656e2d72756ea77665727369"
+        "6f6e00a7706565725f6964ae313244334b6f6f57476f6c64656ea66d616464727391b72f6970342f31302e302e302e32"
+        "2f7463702f3331333337a8636f6d706c657465c3a974696d657374616d70cb41d954fc40100000a764617461736574c4"
+        "201aab24d41f6a59843f58548ec7b562d648c6ec324623185bdfa539ad8c5f6487a6617574686f72c42003a107bff3ce"
+        "10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8a3736967c4400f8e8ff944ff57314f541bde4e5c14ee"
+        "504fab5727a777c03c910ccb0fe7b401f885fd70c4edee0dd0f816ef40869c0c96478e98f5c6d3a0f6b4f6e81879f309"
     ),
     "Ack": (
         "85a17601a474797065a341636ba4626f647982a672756e5f6964aa676f6c64656e2d72756ea862617463685f6964c410"

@@ -98,10 +98,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     import torch
 
     from heterorl.peer.model import load_model
-    from heterorl.peer.tasks import get_task
+    from heterorl.peer.tasks import get_task, named_reward
 
     try:
-        task = get_task(args.task, **json.loads(args.task_params))
+        params = json.loads(args.task_params)  # the user's own: the reward they name is theirs to run
+        task = get_task(args.task, allow_rewards=named_reward(params), **params)
     except (ValueError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

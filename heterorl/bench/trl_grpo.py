@@ -103,9 +103,9 @@ def run_trl_grpo(
     from trl import GRPOTrainer
 
     from heterorl.peer.model import load_model
-    from heterorl.peer.tasks import get_task
+    from heterorl.peer.tasks import get_task, named_reward
 
-    task = get_task(task_name, **task_params)
+    task = get_task(task_name, allow_rewards=named_reward(task_params), **task_params)
     model, tok = load_model(model_path, device=device)
     rng = random.Random(seed)
     examples = [task.sample(rng) for _ in range(steps * prompts_per_step)]

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .options import apply_real_preset, local_model, run_of, run_toml
+from .options import apply_real_preset, local_model, peer_consent, run_of, run_toml
 from .procs import Proc, ready_line, stop_all
 from .report import curve_line, render, summarise, view_of
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         ready = ready_line(coord, 120)
         boot = ["--bootstrap", *ready["maddrs"], "--run-key", ready["run_key"]]
         log.info("coordinator up: dashboard %s", ready["dashboard"])
-        common = ["peer", *boot, "--threads", "1"]
+        common = ["peer", *boot, "--threads", "1", *peer_consent(settings)]
         learner = Proc(
             "learner",
             [*common, "--role", "learner", "--state-dir", str(learner_dir), "--max-steps", str(args.steps)],
@@ -88,15 +88,9 @@ def run(args: argparse.Namespace) -> int:
             d = out / f"sampler-{i}"
             sampler_dirs.append(d)
             backend = args.sampler_backends[min(i, len(args.sampler_backends) - 1)]
-            procs.append(
-                Proc(
-                    f"sampler-{i}",
-                    # below the learner: on one machine, samplers take the CPU the learner leaves
-                    [*common, "--state-dir", str(d), "--slowdown", str(slow), "--backend", backend, "--nice",
-                     str(SAMPLER_NICE)],  # fmt: skip
-                    out / f"sampler-{i}.stderr.log",
-                )
-            )
+            argv = [*common, "--state-dir", str(d), "--slowdown", str(slow), "--backend", backend]
+            argv += ["--nice", str(SAMPLER_NICE)]  # below the learner: samplers take the CPU it leaves
+            procs.append(Proc(f"sampler-{i}", argv, out / f"sampler-{i}.stderr.log"))
         tty = sys.stdout.isatty() and not args.no_view
         shown = 0
         last_log = 0.0

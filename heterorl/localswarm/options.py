@@ -132,6 +132,17 @@ def local_model(run: Run) -> str:
     return str(Path(path).resolve()) if Path(path).exists() else path
 
 
+def peer_consent(run: Run) -> list[str]:
+    """The ``heterorl peer`` flags that let this machine's peers do what its own run asks: ``--model-dir`` for
+    a model directory here, ``--allow-reward`` for a custom reward the run names (the user's own code)."""
+    from heterorl.peer.tasks import named_reward
+
+    flags = ["--model-dir", run.model.path] if Path(run.model.path).is_dir() else []
+    for reward in named_reward(run.task.params):
+        flags += ["--allow-reward", reward]
+    return flags
+
+
 def run_toml(run: Run, learner_key: str, run_id: str) -> str:
     """run.toml of ``run`` with its identity, every setting written out."""
     sections = {f.name: getattr(run, f.name) for f in dataclasses.fields(Run)}

@@ -65,7 +65,10 @@ class Swarm:
         return self.ready
 
     def bootstrap(self) -> list[str]:
-        return ["--bootstrap", *self.ready["maddrs"], "--run-key", self.ready["run_key"]]
+        """The flags every peer of this swarm joins with: the coordinator's addresses and key, and the model
+        directory the run names (a directory here: each peer is given it, as a volunteer gives its copy)."""
+        boot = ["--bootstrap", *self.ready["maddrs"], "--run-key", self.ready["run_key"]]
+        return [*boot, "--model-dir", self.model_dir]
 
     def start_learner(self, *extra: str, module: str = "heterorl.cli", wrap: list[str] | None = None) -> Proc:
         args = ["--role", "learner", "--state-dir", str(self.learner_dir), "--threads", "1"]

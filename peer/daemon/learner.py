@@ -49,12 +49,11 @@ from ..learner.trainer import Trainer
 from ..learner.update import StepOptions
 from ..model import adapter, load_model
 from ..model.prompts import PromptFormat
-from ..tasks import get_task
 from .announcer import Announcer
 from .heartbeat import Status
 from .publisher import Publisher
 from .runtime import PeerRuntime
-from .weights import resolve_model, weights_hash
+from .weights import weights_hash
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +102,7 @@ class Learner:
             )
         state_dir = self.state_dir = runtime.state_dir
         self.hw, self.status, self.store = runtime.hw, runtime.status, runtime.store
-        model, self.tok = load_model(resolve_model(s.model.path, state_dir / "models"), device=self.hw.device)
+        model, self.tok = load_model(runtime.model_dir(), device=self.hw.device)
         if s.adapter is not None:  # LoRA on the frozen base the run names
             model = adapter.for_training(model, s.adapter, s.learner.checkpoint_dtype)
         self.trainer = Trainer(
@@ -123,7 +122,7 @@ class Learner:
         self.ledger = AcceptedLog(state_dir / "accepted.sqlite")
         self.buffer = TrajectoryBuffer(s.learner.buffer_batches)
         self.reward_check = RewardCheck(
-            get_task(s.task.name, **s.task.params), self.tok, prompts=PromptFormat(self.tok, s.model.chat)
+            runtime.task(), self.tok, prompts=PromptFormat(self.tok, s.model.chat)
         )
         # batches of authors without a record yet: accepted (in the ledger), held out of training until the
         # author has one, dropped if it is banned first

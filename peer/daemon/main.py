@@ -15,6 +15,10 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .consent import Consent
 
 log = logging.getLogger("heterorl.peer")
 
@@ -39,6 +43,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         default=None,
         metavar="HEX",
         help="pin the coordinator's public key (default: trust on first use, stated in the log, then pinned)",
+    )
+    ap.add_argument(
+        "--allow-reward",
+        action="append",
+        default=[],
+        metavar="MODULE:FUNCTION",
+        help="let the run's task import and call this custom reward function, installed on this machine (the "
+        "built-in rewards need no flag); repeatable. A RunSpec naming another custom reward is refused",
+    )
+    ap.add_argument(
+        "--model-dir",
+        default=None,
+        metavar="DIR",
+        help="your own copy of the run's model (an HF directory, safetensors weights), loaded whatever the "
+        "RunSpec names; needed when the run's model is a directory on the host's machine (the learner checks "
+        "its weights against the RunSpec's hash)",
     )
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: a GPU if any")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -83,6 +103,7 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
     """Join and run until stopped; ``peer_class`` replaces the role's Sampler or Learner (hostile tests)."""
     from heterorl.protocol import load_or_create_identity
     from heterorl.protocol.logs import configure_logging
+    from heterorl.protocol.net.fetch import FetchError
     from heterorl.protocol.net.flags import net_config_from_args
     from heterorl.protocol.net.node import DaemonDied
 
@@ -108,6 +129,7 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
         run_key = bytes.fromhex(args.run_key) if args.run_key else None
         if run_key is not None and len(run_key) != 32:
             raise ValueError("--run-key must be 64 hex characters")
+        consent = _consent(args)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -151,12 +173,13 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
             stop=stop,
             store_bytes=role_class.STORE_BYTES,
             upload_bytes_per_s=upload,
+            consent=consent,
         ) as runtime:
             runtime.run(role_class(runtime, options))
     except BackgroundFailure as e:  # logged with its traceback when it happened; the peer left in order
         log.error("the %s stopped: %s", args.role, e)
         return 1
-    except (PermissionError, ValueError, DaemonDied) as e:
+    except (PermissionError, ValueError, DaemonDied, FetchError) as e:  # the reason is the last log line
         log.error("%s", e)
         return 1
     except Exception:
@@ -164,6 +187,22 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
         return 1
     log.info("left the run")
     return 0
+
+
+def _consent(args: argparse.Namespace) -> Consent:
+    """What the volunteer allowed (``--allow-reward``, ``--model-dir``: a checked model directory)."""
+    from heterorl.peer.model.loader import check_model_dir
+
+    from .consent import Consent
+
+    model_dir = None
+    if args.model_dir is not None:
+        model_dir = Path(args.model_dir).expanduser().resolve()
+        try:
+            check_model_dir(model_dir)
+        except ValueError as e:
+            raise ValueError(f"--model-dir: {e}") from None
+    return Consent(tuple(dict.fromkeys(args.allow_reward)), model_dir)
 
 
 def _role(args: argparse.Namespace, peer_class: type | None) -> tuple[type, object]:

@@ -1,14 +1,18 @@
 """What every peer runs on, whatever its role: the joined node, the chunk store and its server, the heartbeat,
-the JSONL and final-stats files, the stop event, the supervised background work, and the order of leaving.
+the JSONL and final-stats files, the stop event, the supervised background work, the order of leaving, and
+what the run asks of the peer as far as the volunteer allowed it (:mod:`.consent`): the RunSpec is checked
+when the runtime is made, and the roles take the model directory (:meth:`PeerRuntime.model_dir`) and the
+task (:meth:`PeerRuntime.task`, with the run's data set fetched from the swarm) from here.
 
 ``heterorl peer`` (:mod:`.main`) joins, makes a :class:`PeerRuntime` (which owns the joined node from then on:
 use it as a context manager, and the node is closed once, whatever fails), makes the role on it (the
 :class:`~.sampler.Sampler` or the :class:`~.learner.Learner`: its own loop and stats only) and calls
 :meth:`PeerRuntime.run`:
 
-1. the chunk server starts serving the store; the role starts (``role.start()``: its own handlers, background
-   tasks and threads, through :meth:`PeerRuntime.spawn` and :meth:`PeerRuntime.start_thread`); the heartbeat
-   starts, publishing ``role.refresh_status()`` every few seconds;
+1. the chunk server starts serving the store (the run's data set too: this peer announces it holds it); the
+   role starts (``role.start()``: its own handlers, background tasks and threads, through
+   :meth:`PeerRuntime.spawn` and :meth:`PeerRuntime.start_thread`); the heartbeat starts, publishing
+   ``role.refresh_status()`` every few seconds;
 2. ``role.loop()`` runs until the stop event is set (Ctrl-C, SIGTERM, a background task or thread that failed:
    :mod:`.supervisor`; the libp2p daemon exiting) or the role is done;
 3. leaving, in this order: the stop event set (the role's threads end), ``role.leave()`` (what must still
@@ -32,11 +36,15 @@ from typing import Protocol
 
 from heterorl.protocol import Identity
 from heterorl.protocol.net.chunks import ChunkServer
+from heterorl.protocol.net.datasets import fetch_dataset, keep_announced
 from heterorl.protocol.net.join import Joined
 from heterorl.protocol.settings import RunSettings
 from heterorl.protocol.storage.files import atomic_write_json
 from heterorl.protocol.storage.store import ChunkStore
+from heterorl.protocol.wire.dataset import DATASET_PARAM, dataset_id_of
 
+from ..tasks import Task, get_task
+from .consent import Consent, check_runspec
 from .hardware import Hardware
 from .heartbeat import Heartbeat, Status
 from .supervisor import BackgroundFailure, StopEvent, Supervisor, Wakeup
@@ -45,6 +53,7 @@ log = logging.getLogger(__name__)
 
 LAST_HEARTBEAT_TIMEOUT_S = 10.0
 THREADS_JOIN_TIMEOUT_S = 30.0  # the role's threads, once it left: they watch the stop event
+DATASET_TIMEOUT_S = 600.0  # to fetch the run's data set before the role can start
 
 
 class Role(Protocol):
@@ -80,13 +89,19 @@ class PeerRuntime:
         stop: StopEvent | None = None,
         store_bytes: int,
         upload_bytes_per_s: float | None = None,
+        consent: Consent | None = None,
     ):
         """``role_name``: "sampler" or "learner" (the heartbeat says it); ``store_bytes``: the chunk store's
-        cap; ``upload_bytes_per_s``: cap on the checkpoint bytes this peer serves (None: no cap)."""
+        cap; ``upload_bytes_per_s``: cap on the checkpoint bytes this peer serves (None: no cap);
+        ``consent``: what the volunteer allowed (``--allow-reward``, ``--model-dir``). Raises
+        :class:`~.consent.RunSpecRefused` for a RunSpec that asks more."""
         self.joined, self.node, self.identity = joined, joined.node, identity
         self._closed = False
         try:
             self.settings = RunSettings.from_spec(joined.spec)
+            self.consent = consent or Consent()
+            check_runspec(self.settings, self.consent, self.settings.run_id)
+            self.dataset_id = dataset_id_of(self.settings.task.name, self.settings.task.params)
             self.state_dir, self.hw, self.role_name = state_dir, hardware, role_name
             self.stop = stop if stop is not None else StopEvent()
             self.supervisor = Supervisor(self.stop)
@@ -106,6 +121,27 @@ class PeerRuntime:
         self.close()
 
     # ---- for the roles ----
+
+    def model_dir(self) -> str:
+        """The run's model as a checked directory (:func:`~.weights.resolve_model`; "tiny" is built here)."""
+        from .weights import resolve_model
+
+        return resolve_model(self.settings.model.path, self.state_dir / "models", self.consent.model_dir)
+
+    def task(self) -> Task:
+        """The run's task, its reward as allowed by the volunteer; a ``jsonl`` task's data set is fetched from
+        the swarm into the chunk store first (verified; held from a previous start, not fetched again)."""
+        params = dict(self.settings.task.params)
+        data = None
+        if self.dataset_id is not None:
+            del params[DATASET_PARAM]
+            run_id, dataset_id = self.settings.run_id, self.dataset_id
+            data = self.node.call(
+                fetch_dataset(self.node, self.store, run_id, dataset_id, timeout=DATASET_TIMEOUT_S),
+                timeout=DATASET_TIMEOUT_S + 60,
+            )
+            log.info("data set %s: %d bytes, verified", self.dataset_id.hex()[:16], len(data))
+        return get_task(self.settings.task.name, allow_rewards=self.consent.rewards, data=data, **params)
 
     def running(self) -> bool:
         """True until the stop event is set; DaemonDied once the node's daemon is gone."""
@@ -151,6 +187,10 @@ class PeerRuntime:
         try:
             self.node.call(self.server.attach(self.node))
             self.spawn(self._watch_daemon(), "libp2p daemon watch", forever=False)
+            if self.dataset_id is not None:  # held since the role built its task: served like any chunk
+                self.spawn(
+                    keep_announced(self.node, self.settings.run_id, self.dataset_id), "data set provider"
+                )
             role.start()
             self.heartbeat = Heartbeat(
                 self.node,

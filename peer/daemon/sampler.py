@@ -31,13 +31,11 @@ from ..model.loader import load_config, load_tokenizer
 from ..model.prompts import PromptFormat
 from ..rollout import SamplingParams, make_backend
 from ..rollout.resilient import ResilientBackend, is_oom
-from ..tasks import get_task
 from .follower import CheckpointFollower
 from .hardware import rows_that_fit
 from .heartbeat import Status
 from .runtime import PeerRuntime
 from .stop_rule import Limits, SamplerView, StopRule, lag
-from .weights import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +72,7 @@ class Sampler:
         self.tokens = 0
         self.loaded: list[int] = []
         s = self.settings
-        self.model_dir = resolve_model(s.model.path, self.state_dir / "models")
+        self.model_dir = runtime.model_dir()
         self.tok = load_tokenizer(self.model_dir)
         config = load_config(self.model_dir)
         if config.vocab_size != s.vocab_size:
@@ -82,7 +80,7 @@ class Sampler:
                 f"model {s.model.path} has vocab {config.vocab_size}, the run says {s.vocab_size}"
             )
         self.prompts = PromptFormat(self.tok, s.model.chat)
-        self.task = get_task(s.task.name, **s.task.params)
+        self.task = runtime.task()
         self.sampling = SamplingParams(s.sampling.temperature, s.sampling.top_p, s.sampling.max_new_tokens)
         rows = s.sampler.prompts_per_batch * s.learner.group_size
         self.gen_rows = min(rows, rows_that_fit(self.hw, config, 64 + s.sampling.max_new_tokens))

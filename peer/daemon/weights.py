@@ -1,4 +1,5 @@
-"""The run's model by name (the tiny offline model is built where it is missing) and its weights as bytes."""
+"""The run's model as a directory to load (the tiny offline model is built where it is missing), and its
+weights as bytes."""
 
 from __future__ import annotations
 
@@ -12,23 +13,61 @@ import torch
 from heterorl.protocol.settings import TINY_MODEL, Run
 from heterorl.protocol.wire.checkpoint import deserialize_state_dict, serialize_state_dict
 
+from ..model.loader import check_model_dir
+from .consent import MODEL_DIR_FLAG, RunSpecRefused, model_kind, model_path_refusal
+
 log = logging.getLogger(__name__)
 
 
-def resolve_model(name: str, cache_dir: Path) -> str:
-    """A loadable path or hub id for the RunSpec's ``model``; "tiny" is built once under ``cache_dir``."""
-    if name != TINY_MODEL:
-        return name
+def resolve_model(name: str, cache_dir: Path, model_dir: str | Path | None = None) -> str:
+    """The one way a RunSpec's ``model`` becomes a directory to load, checked by
+    :func:`~heterorl.peer.model.loader.check_model_dir` (no custom code, safetensors weights):
+
+    - ``model_dir`` when given (``--model-dir``: the volunteer's own copy, whatever the run names);
+    - "tiny": the offline tiny model, built once under ``cache_dir``;
+    - a plain ``org/name`` hub id: its snapshot in this machine's Hugging Face cache (nothing is downloaded);
+    - a path: refused (:class:`~.consent.RunSpecRefused`), as the host's directories are not this peer's.
+    """
+    if model_dir is not None:
+        path = Path(model_dir).expanduser().resolve()
+    elif name == TINY_MODEL:
+        path = _tiny_model(Path(cache_dir))
+    elif model_kind(name) == "hub":
+        path = _hub_snapshot(name)
+    else:
+        raise RunSpecRefused(model_path_refusal(name))
+    try:
+        check_model_dir(path)
+    except ValueError as e:
+        raise RunSpecRefused(f"model {name[:200]!r}: {e}") from None
+    return str(path)
+
+
+def _tiny_model(cache_dir: Path) -> Path:
     from heterorl.peer.model import build_tiny_model
 
-    path = Path(cache_dir) / "tiny-model"
+    path = cache_dir / "tiny-model"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / "tiny-model.lock", "w") as lock:  # several peers on one host build it once
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "config.json").exists():
             log.info("building the tiny offline model in %s", path)
             build_tiny_model(path, progress=False)
-    return str(path)
+    return path
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """The cached snapshot of hub model ``repo_id``; ValueError saying how to get it when it is not cached."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as e:  # not cached (LocalEntryNotFoundError), or a cache it cannot read
+        raise ValueError(
+            f"model {repo_id!r} is not in this machine's Hugging Face cache ({type(e).__name__}) and peers "
+            f"download nothing: fetch it with `hf download {repo_id}` (safetensors weights), or pass "
+            f"{MODEL_DIR_FLAG} DIR"
+        ) from None
 
 
 CHECKPOINT_DTYPES = ("float32", "bfloat16")
@@ -70,10 +109,12 @@ def load_weights(model: torch.nn.Module, data: bytes) -> None:
 
 def initial_state(cfg: Run, cache_dir: Path) -> tuple[bytes, int, bytes | None]:
     """What a new RunSpec names: the hash of version 0 (the weights in the checkpoint dtype, or for an adapter
-    run the initial adapter), the vocabulary size, and for an adapter run the base weights' hash."""
+    run the initial adapter), the vocabulary size, and for an adapter run the base weights' hash. Runs on the
+    host, whose run.toml may name a directory of its own."""
     from heterorl.peer.model import load_model
 
-    model, _tok = load_model(resolve_model(cfg.model.path, cache_dir))
+    own = cfg.model.path if model_kind(cfg.model.path) == "path" else None  # the host's own directory
+    model, _tok = load_model(resolve_model(cfg.model.path, cache_dir, own))
     vocab_size = model.config.vocab_size
     if cfg.adapter is None:
         return weights_hash(weights_bytes(model, cfg.learner.checkpoint_dtype)), vocab_size, None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..tasks import Task, get_task
+from ..tasks import Task, get_task, named_reward
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,8 @@ def build_tiny_model(
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     model = LlamaForCausalLM(build_config(len(tokenizer), hidden=hidden, layers=layers))
-    task_obj = get_task(task, **(DEFAULT_TASK_PARAMS if task_params is None else task_params))
+    params = DEFAULT_TASK_PARAMS if task_params is None else task_params  # the caller's own
+    task_obj = get_task(task, allow_rewards=named_reward(params), **params)
     losses = pretrain(model, tokenizer, task_obj, steps=steps, seed=seed, progress=progress)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

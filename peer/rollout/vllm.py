@@ -155,6 +155,8 @@ class VLLMBackend:
         self._engine_args = dict(
             model=self.model_dir,
             tokenizer=self.model_dir,
+            trust_remote_code=False,  # data only, as peer/model/loader.py loads it
+            load_format="safetensors",  # never a pickled checkpoint
             dtype=dtype,
             seed=seed,
             max_num_seqs=max(1, max_rows),

@@ -5,8 +5,8 @@ from .arithmetic import ArithmeticTask, arithmetic_exact
 from .base import Example, RewardFn, Task
 from .countdown import CountdownTask, countdown
 from .jsonl import JsonlTask
-from .registry import get_task, task_names
-from .rewards import REWARDS, load_reward, reward_names
+from .registry import check_jsonl, get_task, task_names
+from .rewards import REWARDS, load_reward, named_reward, reward_names
 
 __all__ = [
     "REWARDS",
@@ -17,11 +17,13 @@ __all__ = [
     "RewardFn",
     "Task",
     "arithmetic_exact",
+    "check_jsonl",
     "countdown",
     "extract_answer",
     "get_task",
     "gsm8k",
     "load_reward",
+    "named_reward",
     "normalize_answer",
     "reward_names",
     "task_names",

@@ -1,4 +1,4 @@
-"""Tasks loaded from a JSONL file of question/answer records (e.g. GSM8K)."""
+"""Tasks loaded from JSONL question/answer records (e.g. GSM8K): a file, or a data set's bytes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from .base import Example, RewardFn, Task
 
 
 class JsonlTask(Task):
-    """Samples uniformly from the records of a JSONL file, all loaded up front.
+    """Samples uniformly from JSONL records, all loaded up front: ``source`` is a file's path, or the bytes
+    of a data set (a run's, fetched from the swarm and verified: :mod:`heterorl.protocol.net.datasets`).
 
     prompt = `prompt_template` with ``{question}`` filled in; solution = the raw answer field;
     reference = `extract_answer` of the answer field.
@@ -22,14 +23,15 @@ class JsonlTask(Task):
 
     def __init__(
         self,
-        path: str | Path,
+        source: str | Path | bytes,
         question_field: str = "question",
         answer_field: str = "answer",
         prompt_template: str = "{question}\n",
         reward: RewardFn = gsm8k,
     ) -> None:
         super().__init__(reward)
-        self.path = Path(path)
+        data = source if isinstance(source, bytes) else None
+        self.path = Path("dataset") if data is not None else Path(source)  # names records in errors
         self.question_field = check_str(self.name, "question_field", question_field)
         self.answer_field = check_str(self.name, "answer_field", answer_field)
         self.prompt_template = check_str(self.name, "prompt_template", prompt_template)
@@ -39,11 +41,11 @@ class JsonlTask(Task):
             raise ValueError(f"{self.name}: prompt_template may only use {{question}}: {e!r}") from e
         if "{question}" not in prompt_template:
             raise ValueError(f"{self.name}: prompt_template must contain {{question}}")
-        self.examples = self._load()
+        self.examples = self._load(data)
 
-    def _load(self) -> tuple[Example, ...]:
+    def _load(self, data: bytes | None) -> tuple[Example, ...]:
         try:
-            raw = self.path.read_bytes()
+            raw = data if data is not None else self.path.read_bytes()
         except OSError as e:
             raise ValueError(f"{self.name}: cannot read {self.path}: {e.strerror or e}") from e
         examples = []

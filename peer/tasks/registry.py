@@ -1,8 +1,10 @@
-"""`get_task`: build a task from a spec string such as ``"countdown"`` or ``"jsonl:/data/gsm8k.jsonl"``."""
+"""`get_task`: build a task from a spec string such as ``"countdown"`` or ``"jsonl:/data/gsm8k.jsonl"``, or a
+``"jsonl"`` task from a data set's bytes (what a peer builds from the data set a RunSpec names by hash)."""
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from .arithmetic import ArithmeticTask
@@ -20,8 +22,12 @@ def task_names() -> list[str]:
     return list(_TASKS)
 
 
-def get_task(spec: str, **params: Any) -> Task:
-    """Build a task; `reward` may be a built-in reward name, ``"module:function"``, or a callable.
+def get_task(
+    spec: str, *, allow_rewards: Collection[str] = (), data: bytes | None = None, **params: Any
+) -> Task:
+    """Build a task; `reward` may be a built-in reward name, a callable, or ``"module:function"`` when
+    ``allow_rewards`` names it (:func:`~.rewards.load_reward`). ``data``: the records of a ``"jsonl"`` task
+    (a ``"jsonl:PATH"`` task reads them from PATH).
 
     Raises ValueError for an unknown spec, an unknown parameter, or a bad parameter value.
     """
@@ -33,17 +39,26 @@ def get_task(spec: str, **params: Any) -> Task:
     cls = _TASKS[name]
     args: tuple[Any, ...] = ()
     if cls is JsonlTask:
-        if not arg:
-            raise ValueError(f"task {name!r} needs a path: 'jsonl:/path/to/file.jsonl'")
-        args = (arg,)
-    elif sep:
-        raise ValueError(f"task {name!r} takes no ':' argument, got {spec!r}")
-    accepted = [p for p in inspect.signature(cls).parameters if p != "path"]
+        if bool(arg) == (data is not None):
+            raise ValueError(
+                f"task {name!r} reads a file ('jsonl:/path/to/file.jsonl') or a data set's bytes"
+            )
+        args = (arg or data,)
+    elif sep or data is not None:
+        raise ValueError(f"task {name!r} takes no ':' argument or data, got {spec!r}")
+    accepted = [p for p in inspect.signature(cls).parameters if p != "source"]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise ValueError(
             f"{name}: unknown parameter(s) {', '.join(unknown)}; accepted: {', '.join(accepted)}"
         )
     if isinstance(params.get("reward"), str):
-        params["reward"] = load_reward(params["reward"])
+        params["reward"] = load_reward(params["reward"], allow_rewards)
     return cls(*args, **params)
+
+
+def check_jsonl(data: bytes, params: Mapping[str, Any]) -> int:
+    """How many records data set ``data`` holds as a ``"jsonl"`` task with ``params`` (the reward left out:
+    a host checks its data set, not its code); ValueError naming the first bad record or parameter."""
+    task = get_task("jsonl", data=data, **{k: v for k, v in params.items() if k != "reward"})
+    return len(task.examples)  # type: ignore[attr-defined]

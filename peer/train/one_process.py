@@ -24,7 +24,7 @@ from ..learner.update import StepOptions
 from ..model import TINY_MODEL_DIR, adapter, ensure_model, load_model
 from ..model.prompts import PromptFormat
 from ..rollout import SamplingParams, make_backend
-from ..tasks import get_task
+from ..tasks import get_task, named_reward
 from .policy_lag import PolicyLag
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,8 @@ def run_one_process(
     prompts_fmt = PromptFormat(tok, run.model.chat)
     behaviour = copy.deepcopy(policy) if cfg.delay and cfg.backend == "hf" else policy
     lag = PolicyLag(policy, behaviour, cfg.delay)
-    task = get_task(run.task.name, **run.task.params)
+    params = run.task.params  # the user's own settings: the reward they name is theirs to run
+    task = get_task(run.task.name, allow_rewards=named_reward(params), **params)
     prompts, group = run.learner.prompts_per_update, run.learner.group_size
     rows_per_step = prompts * group
     threads = torch.get_num_threads()

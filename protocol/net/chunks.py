@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import msgpack
 
-from heterorl.protocol.net.dht import checkpoints_key, providers_key
+from heterorl.protocol.net.dht import checkpoints_key, dataset_providers_key, providers_key
 from heterorl.protocol.net.framing import read_frame, write_frame
 from heterorl.protocol.net.node import Node
 from heterorl.protocol.storage.store import ChunkStore
@@ -41,7 +41,6 @@ MAX_HASHES_PER_REQUEST = 16
 MAX_REQUEST_BYTES = 64 + MAX_HASHES_PER_REQUEST * (HASH_BYTES + 2)
 REQUEST_IDLE_S = 60.0
 HELD, NOT_HELD = b"\x00", b"\x01"
-
 
 
 class UploadLimit:
@@ -151,18 +150,29 @@ async def latest_manifest(
     return best
 
 
-async def find_providers(node: Node, run_id: str, version: int) -> list[Provider]:
-    records = await node.lookup(providers_key(run_id, version))
+async def find_providers(
+    node: Node, run_id: str, version: int, *, dataset: bytes | None = None
+) -> list[Provider]:
+    """Other peers that announced chunks of checkpoint ``version``, or of the data set ``dataset`` (version
+    0), in random order."""
+    key = providers_key(run_id, version) if dataset is None else dataset_providers_key(run_id, dataset)
     out = [
         Provider(r.body["peer_id"], tuple(r.body["maddrs"]))
-        for r in records
-        if r.kind == "Provider" and r.body["version"] == version and r.body["peer_id"] != node.peer_id
+        for r in await node.lookup(key)
+        if r.kind == "Provider"
+        and r.body["version"] == version
+        and r.body.get("dataset") == dataset
+        and r.body["peer_id"] != node.peer_id
     ]
     random.shuffle(out)  # spread load: every fetcher picking the same first provider is no swarm
     return out
 
 
-async def _announce(node: Node, run_id: str, version: int, *, complete: bool) -> None:
+async def _announce(
+    node: Node, run_id: str, version: int, *, complete: bool, dataset: bytes | None = None
+) -> None:
+    """A Provider record: this peer holds chunks of checkpoint ``version`` (or of data set ``dataset``)."""
+    extra = {} if dataset is None else {"dataset": dataset}
     try:
         await node.publish(
             "Provider",
@@ -173,10 +183,12 @@ async def _announce(node: Node, run_id: str, version: int, *, complete: bool) ->
                 "maddrs": await node.addresses(),
                 "complete": complete,
                 "timestamp": time.time(),
+                **extra,
             },
         )
     except Exception as e:
-        log.warning("could not announce version %d as a provider: %s", version, e)
+        what = f"version {version}" if dataset is None else f"data set {dataset.hex()[:16]}"
+        log.warning("could not announce %s as a provider: %s", what, e)
 
 
 async def publish_checkpoint(node: Node, store: ChunkStore, manifest_raw: bytes, body: dict) -> None:

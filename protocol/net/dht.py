@@ -55,6 +55,11 @@ def providers_key(run_id: str, version: int) -> str:
     return f"{KEY_PREFIX}/{run_id}/providers/{version}"
 
 
+def dataset_providers_key(run_id: str, dataset_id: bytes) -> str:
+    """Where the Provider records of a run's data set (protocol/wire/dataset.py) live: a key per data set."""
+    return f"{KEY_PREFIX}/{run_id}/datasets/{dataset_id.hex()}/providers"
+
+
 def record_key(kind: str, body: dict) -> str:
     """The one DHT key a message of ``kind`` may be published under."""
     if kind == "RunSpec":
@@ -63,6 +68,8 @@ def record_key(kind: str, body: dict) -> str:
         return checkpoints_key(body["run_id"])
     if kind == "Heartbeat":
         return peers_key(body["run_id"])
+    if kind == "Provider" and "dataset" in body:
+        return dataset_providers_key(body["run_id"], body["dataset"])
     if kind == "Provider":
         return providers_key(body["run_id"], body["version"])
     raise ProtocolError(f"{kind} messages are not DHT records")

@@ -2,8 +2,9 @@
 full state, chunk by chunk from many providers, verified against the signed manifest.
 
 :class:`CheckpointFetch` names the steps (plan, pick_delta, try_delta, full, commit); :class:`Download` is the
-chunk download itself (workers over providers, a corrupt provider banned, resumable). The serving side and
-the wire format of a chunk request are in :mod:`protocol.net.chunks`.
+chunk download itself (workers over providers, a corrupt provider banned, resumable), for any
+:class:`ChunkFetch` (a run's data set is fetched the same way: :mod:`protocol.net.datasets`). The serving side
+and the wire format of a chunk request are in :mod:`protocol.net.chunks`.
 """
 
 from __future__ import annotations
@@ -106,18 +107,20 @@ async def fetch_checkpoint(
     return await fetch.run(manifest_raw, use_delta=use_delta)
 
 
-class CheckpointFetch:
-    """One version's download, in named steps: plan (what is held), delta (fetch it and rebuild the full
-    state, when the base is held and the delta is smaller than what is missing), full (fetch the chunks
-    still missing), commit (manifest into the store, announce as a complete provider)."""
+class ChunkFetch:
+    """What a :class:`Download` needs from the fetch it belongs to: the store, the limits, the report, and
+    (per kind of content) where its providers are found and how this peer says it holds some of it.
+
+    :class:`CheckpointFetch` fetches a checkpoint version; ``protocol.net.datasets`` a run's data set."""
+
+    what = "content"  # names the content in log lines and errors ("version 3")
 
     def __init__(
         self,
         node: Node,
         store: ChunkStore,
-        body: dict,
+        report: FetchReport,
         *,
-        run_id: str,
         providers: list[Provider] | None,
         streams_per_provider: int,
         chunks_per_request: int,
@@ -126,15 +129,46 @@ class CheckpointFetch:
         progress: Callable[[FetchReport, int], None] | None,
         refresh_s: float,
     ):
-        self.node, self.store, self.body, self.run_id = node, store, body, run_id
-        self.version = body["version"]
+        """``providers`` overrides the lookups (tests); ``progress(report, bytes_to_fetch)`` is called after
+        every stored chunk, on the network loop."""
+        self.node, self.store, self.report = node, store, report
         self.providers, self.deadline = providers, deadline
         self.streams, self.per_request = streams_per_provider, chunks_per_request
         self.request_timeout, self.progress, self.refresh_s = request_timeout, progress, refresh_s
-        self.report = FetchReport(version=self.version, total_bytes=body["total_size"])
         self.banned: set[str] = set()  # for the whole download: a liar is not asked for the full state either
         self.announced = False
         self.start = time.monotonic()
+
+    async def find(self) -> list[Provider]:
+        """The providers to ask now (``providers`` when given, else a DHT lookup)."""
+        return self.providers if self.providers is not None else await self.lookup()
+
+    async def lookup(self) -> list[Provider]:
+        raise NotImplementedError
+
+    async def announce_partial(self) -> None:
+        """Say in the DHT that this peer holds some of the content (after its first stored chunk)."""
+        raise NotImplementedError
+
+
+class CheckpointFetch(ChunkFetch):
+    """One version's download, in named steps: plan (what is held), delta (fetch it and rebuild the full
+    state, when the base is held and the delta is smaller than what is missing), full (fetch the chunks
+    still missing), commit (manifest into the store, announce as a complete provider)."""
+
+    def __init__(self, node: Node, store: ChunkStore, body: dict, *, run_id: str, **limits):
+        """``limits``: :class:`ChunkFetch`'s keyword arguments."""
+        super().__init__(
+            node, store, FetchReport(version=body["version"], total_bytes=body["total_size"]), **limits
+        )
+        self.body, self.run_id, self.version = body, run_id, body["version"]
+        self.what = f"version {self.version}"
+
+    async def lookup(self) -> list[Provider]:
+        return await find_providers(self.node, self.run_id, self.version)
+
+    async def announce_partial(self) -> None:
+        await _announce(self.node, self.run_id, self.version, complete=False)
 
     async def run(self, manifest_raw: bytes, *, use_delta: bool = True) -> FetchReport:
         missing = await self.plan()
@@ -206,14 +240,15 @@ def rebuild_from_delta(store: ChunkStore, body: dict, delta: dict) -> None:
 
 
 class Download:
-    """Fetch the chunks ``todo`` of ``part`` (a manifest body or its delta part) from the version's providers.
+    """Fetch the chunks ``todo`` of ``part`` (a manifest body, its delta part, a data set's manifest) from the
+    providers ``fetch`` finds.
 
     Workers run per provider (``streams`` each); every ``refresh_s`` (sooner when nothing runs) the DHT is
     asked again, so peers that began fetching this version after us start serving us mid-download. A chunk
     that does not hash to the manifest bans its provider; a provider that lacks a chunk is asked for others.
     """
 
-    def __init__(self, fetch: CheckpointFetch, part: dict, todo: list[int]):
+    def __init__(self, fetch: ChunkFetch, part: dict, todo: list[int]):
         self.f, self.part = fetch, part
         self.todo: collections.deque[int] = collections.deque(todo)
         self.to_fetch = sum(chunk_length(part, i) for i in todo)
@@ -228,15 +263,9 @@ class Download:
             while self.todo or tasks:
                 now = time.monotonic()
                 if now > f.deadline:
-                    raise FetchError(
-                        f"version {f.version}: {len(self.todo)} chunks still missing at the deadline"
-                    )
+                    raise FetchError(f"{f.what}: {len(self.todo)} chunks still missing at the deadline")
                 if self.todo and now >= next_lookup:
-                    found = (
-                        f.providers
-                        if f.providers is not None
-                        else await find_providers(f.node, f.run_id, f.version)
-                    )
+                    found = await f.find()
                     live = [p for p in found if p.peer_id not in f.banned]
                     for p in live:
                         if self.running[p.peer_id] < f.streams:
@@ -247,8 +276,8 @@ class Download:
                     fetched_at_lookup = f.report.chunks_fetched
                     if stalled and not any(self.running.values()):
                         log.info(
-                            "version %d: %d chunks not available yet from %d providers; retrying in %.1f s",
-                            f.version,
+                            "%s: %d chunks not available yet from %d providers; retrying in %.1f s",
+                            f.what,
                             len(self.todo),
                             len(live),
                             backoff,
@@ -328,7 +357,7 @@ class Download:
                             f.progress(report, self.to_fetch)
                         if not f.announced:
                             f.announced = True
-                            f.node.spawn(_announce(f.node, f.run_id, f.version, complete=False))
+                            f.node.spawn(f.announce_partial())
                 except ProtocolError as e:
                     if isinstance(e, FrameError) and e.kind != "oversized":  # crashed or slow, not hostile
                         log.info("provider %s: %s; trying others", p.peer_id[-8:], e)

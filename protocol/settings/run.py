@@ -33,12 +33,13 @@ run_id = "my-run"                  # omit to get a random one
 learner_keys = ["<64 hex chars>"]  # `heterorl keys show --key learner.key`: who may sign checkpoints
 
 [model]
-path = "tiny"                      # the offline tiny model, or a local path / Hugging Face hub id
+path = "tiny"                      # the offline tiny model, a hub id org/name (in every peer's HF cache),
+                                   # or a directory here (peers then pass --model-dir with their copy)
 chat = "auto"                      # prompts via the chat template: auto (if the tokenizer has one) | on | off
 
 [task]
-name = "arithmetic"                # arithmetic | countdown | jsonl:PATH
-params = { digits = 1 }
+name = "arithmetic"                # arithmetic | countdown | jsonl:PATH (a file here; peers fetch it by hash)
+params = { digits = 1 }            # a reward other than a built-in needs --allow-reward on every peer
 
 [objective]
 name = "gepo"                      # gepo (defensive sampling on stale data) | grpo | gspo | cispo | ...
@@ -159,6 +160,11 @@ def parse_run_config(data: Mapping[str, Any]) -> RunConfig:
     adapter = data.get("adapter")
     if isinstance(adapter, Mapping) and "base_hash" in adapter:
         raise ValueError("[adapter]: base_hash is computed by the coordinator from the model, not set here")
+    task = data.get("task")
+    if isinstance(task, Mapping) and isinstance(task.get("params"), Mapping) and "dataset" in task["params"]:
+        raise ValueError(
+            "[task] params.dataset is the id the coordinator computes from a jsonl:PATH task, not set here"
+        )
     data = {**data, "run_id": data.get("run_id") or f"run-{secrets.token_hex(4)}"}
     return from_dict(RunConfig, data, strict=True)[0]
 

@@ -15,7 +15,11 @@ TIS_PARAMS = ("tis_cap", "tis_logp", "tis_rows")  # the learner sets these (lear
 class ModelSettings:
     """``[model]``: the policy every peer loads, and how prompts reach it."""
 
-    path: str = setting(TINY_MODEL, "model path or hub id; 'tiny' is the offline tiny model")
+    path: str = setting(
+        TINY_MODEL,
+        "'tiny' (the offline tiny model), a hub id org/name (from each peer's HF cache) or a directory on "
+        "the host (peers pass --model-dir)",
+    )
     chat: str = setting("auto", "prompts via the chat template: auto (if the tokenizer has one) | on | off")
 
     def __post_init__(self) -> None:
@@ -29,7 +33,7 @@ class ModelSettings:
 class TaskSettings:
     """``[task]``: where prompts come from and how completions are rewarded."""
 
-    name: str = setting("arithmetic", "arithmetic | countdown | jsonl:PATH")
+    name: str = setting("arithmetic", "arithmetic | countdown | jsonl:PATH (peers fetch the file by hash)")
     params: dict = setting(None, "task parameters (and reward)", factory=lambda: {"digits": 1})
 
     def __post_init__(self) -> None:

@@ -148,17 +148,19 @@ def check_manifest(body: dict) -> None:
     ``len(chunk_hashes) == ceil(total_size / chunk_bytes)``, and the same for each delta, whose base must be
     an older version, each named once.
     """
-    _check_part(body)
+    check_part(body)
     bases = [d["base_version"] for d in body.get("deltas", ())]
     if len(set(bases)) != len(bases) or len(bases) > MAX_DELTAS:
         raise ProtocolError(f"manifest deltas name the bases {bases}: at most {MAX_DELTAS}, each once")
     for d in body.get("deltas", ()):
         if not 0 <= d["base_version"] < body["version"]:
             raise ProtocolError(f"delta base {d['base_version']} is not older than version {body['version']}")
-        _check_part(delta_part(body, d), "delta ")
+        check_part(delta_part(body, d), "delta ")
 
 
-def _check_part(body: dict, what: str = "") -> None:
+def check_part(body: dict, what: str = "") -> None:
+    """ProtocolError unless a part's (a manifest's, a delta's, a data set's) chunk size is in bounds and its
+    chunk count is ``ceil(total_size / chunk_bytes)``."""
     chunk_bytes, total = body["chunk_bytes"], body["total_size"]
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ProtocolError(
@@ -192,7 +194,7 @@ def verify_chunk(body: dict, index: int, data: bytes) -> bool:
 def assemble(body: dict, chunks: Sequence[bytes]) -> bytes:
     """Checkpoint bytes from every chunk of ``body`` (a manifest or a :func:`delta_part`) in order;
     ProtocolError on any mismatch."""
-    _check_part(body)
+    check_part(body)
     if len(chunks) != len(body["chunk_hashes"]):
         raise ProtocolError(f"{len(chunks)} chunks for a {len(body['chunk_hashes'])}-chunk manifest")
     for i, c in enumerate(chunks):

@@ -137,7 +137,9 @@ SCHEMAS: dict[str, s.Check] = {
             "maddrs": _maddrs,
             "complete": s.boolean(),
             "timestamp": s.number(0, 1e11),
-        }
+        },
+        # ... of the run's data set with this id instead (protocol/wire/dataset.py; version 0)
+        optional={"dataset": s.binary(HASH_BYTES, HASH_BYTES)},
     ),
     "Ack": s.record({"run_id": _run_id, "batch_id": s.binary(BATCH_ID_BYTES, BATCH_ID_BYTES)}),
     "Reject": s.record(
