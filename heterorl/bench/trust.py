@@ -4,11 +4,11 @@ One run of the tiny model: a coordinator, a learner and honest samplers of mixed
 default hf/float32 and hf/bfloat16). After a baseline phase of honest data alone, each attack
 (:mod:`heterorl.testing.attacks`, or any ``--attack module:function``) joins as a sampler process of its own
 for a phase, then leaves. Per attack it reports the share of the hostile rows that reached training
-(``reached_training_frac``), whether the author was banned (``banned``, and after how many of its batches),
-and the reward during its phase beside the baseline's; a flood is measured by the honest samplers' intake
-during it against the baseline (``honest_intake_kept``). For the honest samplers: the share of their batches
-refused (``honest_false_refusal``) and how many were banned (``honest_banned``). ``check_time_frac`` is the
-checks' time over the learner's wall time during the baseline (the default rates, no attacker).
+(``reached_training_frac``), whether the author was banned (``banned``, and why), and the reward during its
+phase beside the baseline's. A flood is measured by the honest samplers' intake during it against an honest
+phase just before it (``honest_intake_kept``). For the honest samplers: the share of their batches refused
+(``honest_false_refusal``) and how many were banned (``honest_banned``). ``check_time_frac`` is the checks'
+time over the learner's wall time during the baseline (the default rates, no attacker).
 
 Samplers and attackers run at ``nice 10`` and the flood at ``nice 19``, as if on machines of their own: on
 these two shared cores, an attacker's CPU would otherwise slow the honest samplers, which is not what the
@@ -128,9 +128,14 @@ def run(args: argparse.Namespace) -> dict:
         base = (t0, time.time())
         print(f"baseline: {swarm.step()} updates so far", flush=True)
         phases = {}
+        controls = {}
         for i, attack in enumerate(attacks):
             name = f"attack-{i}"
             nice = "19" if attack in FLOODS else "10"
+            if attack in FLOODS:  # honest data alone just before: the intake it is compared with
+                t_control = time.time()
+                time.sleep(args.phase_s)
+                controls[attack] = (t_control, time.time())
             proc = swarm.start_sampler(
                 name, "--nice", nice, "--attack", attack, module="heterorl.testing.hostile"
             )
@@ -148,14 +153,15 @@ def run(args: argparse.Namespace) -> dict:
     bans = learner.get("bans", {})
     rows_per_batch = swarm.sampler_settings["prompts_per_batch"] * swarm.settings["group_size"]
     base_rows = _window(metrics, *base)
-    base_honest = _rows_per_s(base_rows, honest16, *base)
     for attack, (name, t_start, t_end) in phases.items():
         key = _key_of(root / name)
         mine = _final(root / name)
         during = _window(metrics, t_start, t_end)
         entry: dict = {"reward_during": _reward(during), "reward_baseline": _reward(base_rows)}
         if attack in FLOODS:
-            kept = _rows_per_s(during, honest16, t_start, t_end) / max(1e-9, base_honest)
+            c0, c1 = controls[attack]
+            control = _rows_per_s(_window(metrics, c0, c1), honest16, c0, c1)
+            kept = _rows_per_s(during, honest16, t_start, t_end) / max(1e-9, control)
             flooders = {
                 a: r for a, r in authors.items() if a not in {_key_of(root / n) for n in honest_names}
             }
