@@ -54,6 +54,7 @@ NAMED = {
     "objective.name": "cispo",
     "objective.advantage": "rloo",
     "learner.checkpoint_dtype": "bfloat16",
+    "trust.min_reproduced": 0.9,
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from heterorl.peer.learner.intake import Admission, Refusal
 from heterorl.peer.learner.replay import ReplayIndex
-from heterorl.peer.learner.reputation import SUSPICIOUS_Z, Reputation
+from heterorl.peer.learner.reputation import NEW_AUTHOR_RETRY_S, SUSPICIOUS_Z, Reputation
 from heterorl.protocol.net.trajectories import Deferral
 from heterorl.protocol.settings import TrustSettings
 
@@ -94,10 +94,10 @@ def test_an_author_whose_tokens_lean_one_way_is_checked_densely():
     # a passed batch that takes the author's z just beyond SUSPICIOUS_Z: (0 + num) / sqrt(2 + 2)
     rep.passed_check(A, 2.0 * (SUSPICIOUS_Z + 0.01), 2.0)
     assert rep.has_record(A) and rep.should_check(A)  # it keeps its record (no probation): only checks
-    rep.passed_check(A, -0.1, 4.0)  # (4.04 - 0.1) / sqrt(8) < 2: cleared
+    rep.passed_check(A, -0.1, 10.0)  # (6.02 - 0.1) / sqrt(14) < 3: cleared
     assert rep.has_record(A) and not rep.should_check(A)
     earn_record(rep, B)
-    rep.passed_check(B, -3.0, 0.0)  # leaning towards likely tokens counts the same
+    rep.passed_check(B, -4.5, 0.0)  # -4.5 / sqrt 2 < -3: leaning towards likely tokens counts the same
     assert rep.should_check(B)
 
 
@@ -181,7 +181,7 @@ def test_new_authors_share_a_token_bucket():
         assert rep.check_rate(body(), next(fresh)) is None
     deferred = rep.check_rate(body(), next(fresh))
     assert isinstance(deferred, Deferral)
-    assert deferred.retry_after_s == pytest.approx(0.5)  # one batch at 2 per second
+    assert deferred.retry_after_s == NEW_AUTHOR_RETRY_S  # told to come back later than one token's worth
     assert rep.deferred_new == 1
     assert isinstance(rep.check_rate(body(), A), Deferral)  # the same author again: the same bucket
 

@@ -41,6 +41,7 @@ DEFAULT_ATTACKS = (
     "replay",
     "flood",
 )
+SEEDED_MIN_REPRODUCED = 0.9
 ENGINES = ("hf/float32", "hf/bfloat16", "vllm/float32", "vllm/bfloat16")
 
 
@@ -55,6 +56,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--honest",
         default="hf/float32,hf/bfloat16",
         help=f"the honest samplers' engines, comma-separated, of {', '.join(ENGINES)} (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="the run does not ask for seeded sampling (trust.min_reproduced 0); by default it asks for "
+        "0.9 of the tokens reproduced, as a run of hf samplers can",
     )
     ap.add_argument("--baseline-s", type=float, default=60.0, help="honest data alone (default: %(default)s)")
     ap.add_argument(
@@ -111,10 +118,12 @@ def run(args: argparse.Namespace) -> dict:
         _engine_flags(e)
     root = Path(args.root or tempfile.mkdtemp(prefix="heterorl-trust-"))
     model = ensure_model(TINY_MODEL_DIR)
-    swarm = Swarm(root, model, lr=2e-3, prompts_per_update=8, buffer_batches=16)
+    seeded = not args.unseeded and all(e.startswith("hf/") for e in engines)
+    trust = f"[trust]\nmin_reproduced = {SEEDED_MIN_REPRODUCED if seeded else 0.0}\n"
+    swarm = Swarm(root, model, lr=2e-3, extra_toml=trust, prompts_per_update=8, buffer_batches=16)
     honest_names = [f"honest-{i}" for i in range(len(engines))]
     os.environ[REPLAY_FROM_ENV] = str(root / honest_names[0])
-    out: dict = {"engines": engines, "attacks": {}}
+    out: dict = {"engines": engines, "seeded": seeded, "attacks": {}}
     try:
         swarm.start_coordinator()
         swarm.start_learner()
@@ -151,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
     authors = learner.get("authors", {})
     trained = learner.get("trained_rows", {})
     bans = learner.get("bans", {})
+    reproduced = learner.get("reproduced", {})
     rows_per_batch = swarm.sampler_settings["prompts_per_batch"] * swarm.settings["group_size"]
     base_rows = _window(metrics, *base)
     for attack, (name, t_start, t_end) in phases.items():
@@ -182,6 +192,7 @@ def run(args: argparse.Namespace) -> dict:
                 hostile_batches_answered=answered,
                 hostile_batches_accepted=record.get("accepted", 0),
                 hostile_rows_trained=trained.get(key, 0),
+                reproduced_frac=reproduced.get(key),
                 strikes=record.get("strikes", 0),
             )
         out["attacks"][attack] = entry
@@ -191,6 +202,7 @@ def run(args: argparse.Namespace) -> dict:
     out["honest_false_refusal"] = round(refused / max(1, refused + accepted), 5)
     out["honest_batches"] = refused + accepted
     out["honest_banned"] = sum(k in bans for k in honest_keys)
+    out["honest_reproduced_frac"] = {k[:16]: reproduced.get(k) for k in honest_keys}
     c0 = base_rows[0] if base_rows else {}
     c1 = base_rows[-1] if base_rows else {}
     span = (c1.get("time", 0) - c0.get("time", 0)) or 1e-9

@@ -64,9 +64,9 @@ def _rows_hook(sampler: Sampler, change) -> None:
     """Wrap ``sign_batch`` so that ``change(rows)`` edits the rows (in place) before they are signed."""
     sign = sampler.sign_batch
 
-    def sign_changed(rows):
+    def sign_changed(rows, **kw):
         change(rows)
-        return sign(rows)
+        return sign(rows, **kw)
 
     sampler.sign_batch = sign_changed
 
@@ -203,11 +203,11 @@ def stale_claim(sampler: Sampler, behind: int = 16) -> None:
     """Claims a version ``behind`` versions older than the one it sampled with (its claims stay ordered)."""
     sign = sampler.sign_batch
 
-    def sign_stale(rows):
+    def sign_stale(rows, **kw):
         held = sampler.version
         sampler.version = max(0, held - behind)
         try:
-            return sign(rows)
+            return sign(rows, **kw)
         finally:
             sampler.version = held
 
@@ -258,8 +258,9 @@ def replay(sampler: Sampler) -> None:
 
 
 def flood(sampler: Sampler, identities: int = 64) -> None:
-    """Many fresh identities sending well-formed batches as fast as they can: honest rows (one engine call
-    makes many), each batch signed by one of ``identities`` new keys, flow control ignored."""
+    """Many fresh identities sending well-formed batches as fast as they can: honest rows (seeded for the
+    key that signs them), each engine call's batches signed by one of ``identities`` new keys, never
+    waiting for the learner's "busy"."""
     keys = [Identity.generate() for _ in range(identities)]
     rng = random.Random()
     make = sampler.make_batches
@@ -267,11 +268,8 @@ def flood(sampler: Sampler, identities: int = 64) -> None:
     sampler.sender.learner_busy_for = lambda: 0.0  # never waits for the learner's "busy"
 
     def make_batches(n: int):
-        out = []
-        for bid, data, tokens in make(max(n, 16)):
-            _, body, _ = decode(data, "TrajectoryBatch")
-            out.append((bid, encode("TrajectoryBatch", body, rng.choice(keys)), tokens))
-        return out
+        sampler.identity = rng.choice(keys)
+        return make(max(n, 16))
 
     sampler.make_batches = make_batches
 

@@ -51,8 +51,8 @@ def hostile_sampler(mode: str) -> type:
         return BrokenSenderSampler
 
     class Hostile(Sampler):
-        def sign_batch(self, rows):
-            bid, data, tokens = super().sign_batch(rows)
+        def sign_batch(self, rows, **kw):
+            bid, data, tokens = super().sign_batch(rows, **kw)
             _, body, _ = decode(data)
             if mode == "wrong-reward":
                 for r in body["rows"]:

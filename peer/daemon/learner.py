@@ -222,6 +222,7 @@ class Learner:
             pad_id=self.tok.pad_token_id,
             temperature=s.sampling.temperature,
             top_p=s.sampling.top_p,
+            run_id=s.run_id,
         )
 
     def _held_new(self) -> int:
@@ -250,7 +251,7 @@ class Learner:
 
     def _on_strike(self, author: bytes, check: str, reason: str) -> None:
         banned = self.reputation.strike(author, f"{check}: {reason}", checked=check == "spot check")
-        if banned is not None:
+        if banned is not None or self.reputation.check_banned({}, author) is not None:
             return
         with self._probation_lock:  # a strike on probation: what it holds was never trained on, and goes
             held = self.probation.pop(author, [])
@@ -475,6 +476,7 @@ class Learner:
             "deferred_by_check": dict(self.admission.deferred),
             "bans": {a.hex(): reason for a, reason in self.reputation.bans().items()},
             "authors": self.reputation.summary(),
+            "reproduced": self.spot_check.reproduced_by_author() if self.spot_check is not None else {},
             "trained_rows": {a.hex(): n for a, n in self.trained_rows.items()},
             "train_s": self.train_s,
             "wait_s": self.wait_s,

@@ -26,6 +26,7 @@ from heterorl.protocol import encode
 from heterorl.protocol.net.trajectories import TrajectorySender, new_batch_id
 from heterorl.protocol.storage.outbox import Outbox
 from heterorl.protocol.wire.checkpoint import deserialize_state_dict
+from heterorl.protocol.wire.seeds import row_seed
 
 from ..model.loader import load_config, load_tokenizer
 from ..model.prompts import PromptFormat
@@ -191,11 +192,11 @@ class Sampler:
 
     # ---- rollouts ----
 
-    def _generate(self, prompt_ids: list[list[int]]):
+    def _generate(self, prompt_ids: list[list[int]], seeds: list[int] | None = None):
         while True:
             try:
                 return [
-                    self.backend.generate(prompt_ids[i : i + self.gen_rows], self.sampling)
+                    self.backend.generate(prompt_ids[i : i + self.gen_rows], self._params(seeds, i))
                     for i in range(0, len(prompt_ids), self.gen_rows)
                 ]
             except Exception as e:
@@ -207,6 +208,17 @@ class Sampler:
                 log.warning("out of memory: generating %d rows at a time from now on", self.gen_rows)
             finally:
                 self.status.backend = self.backend.describe()  # it may have restarted or fallen back
+
+    def _params(self, seeds: list[int] | None, start: int) -> SamplingParams:
+        if seeds is None:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seeds=tuple(seeds[start : start + self.gen_rows]))
+
+    @property
+    def seeded(self) -> bool:
+        """Whether rows are drawn reproducibly from derived seeds a verifier can recompute (the hf engine's
+        Gumbel-max; vLLM's seeded sampler is deterministic but its noise is its own)."""
+        return self.backend.name == "hf"
 
     def _held_weights(self):
         """The weights of the version held, from the chunk store (for an engine that restarted)."""
@@ -226,8 +238,15 @@ class Sampler:
         examples = [self.task.sample(self.rng) for _ in range(n * k)]
         prompts = [e.prompt for e in examples for _ in range(g)]
         encoded = {p: self.prompts.encode(p) for p in dict.fromkeys(prompts)}  # a group repeats its prompt
+        bids = [new_batch_id() for _ in range(n)]
+        per = k * g
+        seeds = [
+            row_seed(s.run_id, self.identity.public_key, bids[b], self.version, r)
+            for b in range(n)
+            for r in range(per)
+        ]
         rows, i = [], 0
-        for roll in self._generate([encoded[p] for p in prompts]):
+        for roll in self._generate([encoded[p] for p in prompts], seeds):
             for j in range(len(roll.texts)):
                 length = int(roll.lengths[j])
                 reward = self.task.reward(prompts[i], roll.texts[j], examples[i // g].reference)
@@ -241,12 +260,12 @@ class Sampler:
                     }
                 )
                 i += 1
-        per = k * g
-        return [self.sign_batch(rows[b * per : (b + 1) * per]) for b in range(n)]
+        return [self.sign_batch(rows[b * per : (b + 1) * per], batch_id=bids[b]) for b in range(n)]
 
-    def sign_batch(self, rows: list[dict]) -> tuple[bytes, bytes, int]:
-        """``rows`` as a signed TrajectoryBatch of the held version: (batch id, signed bytes, tokens)."""
-        bid = new_batch_id()
+    def sign_batch(self, rows: list[dict], batch_id: bytes | None = None) -> tuple[bytes, bytes, int]:
+        """``rows`` as a signed TrajectoryBatch of the held version: (batch id, signed bytes, tokens); with
+        ``batch_id`` (the id their seeds were derived from) the batch says its rows are reproducible."""
+        bid = batch_id or new_batch_id()
         body = {
             "run_id": self.settings.run_id,
             "batch_id": bid,
@@ -255,6 +274,7 @@ class Sampler:
             "rows": rows,
             "engine": self.backend.name,
             "engine_dtype": self.backend.dtype,
+            **({"seeded": True} if batch_id is not None and self.seeded else {}),
         }
         tokens = sum(len(r["completion_ids"]) for r in rows)
         return bid, encode("TrajectoryBatch", body, self.identity), tokens

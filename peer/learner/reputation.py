@@ -34,10 +34,11 @@ from collections.abc import Callable
 from heterorl.protocol.net.trajectories import Deferral
 from heterorl.protocol.settings import TrustSettings
 
-CLAIMS_KEPT = 64
-# |z| of an author's checked tokens taken together beyond which it has no record (dense checks, probation):
-# honest authors sit below 2 but for ~1 % of the time; the refusal threshold is trust.max_typicality_z
-SUSPICIOUS_Z = 2.0  # an author's most recent (timestamp, version) claims, for the ordering check
+CLAIMS_KEPT = 64  # an author's most recent (timestamp, version) claims, for the ordering check
+# |z| of an author's checked tokens taken together beyond which all its batches are checked: an honest author
+# is there ~0.3 % of the time (it costs checks, nothing else); the refusal threshold is trust.max_typicality_z
+SUSPICIOUS_Z = 3.0
+NEW_AUTHOR_RETRY_S = 5.0  # how long a deferred author without a record waits: a flood's retries cost intake
 
 
 @dataclasses.dataclass
@@ -138,7 +139,7 @@ class Reputation:
         if self.buffered_new() >= most:  # (outside the lock: it asks has_record of the buffer's authors)
             with self._lock:
                 self.deferred_new += 1
-            return Deferral("the learner holds as many batches of new authors as it takes", 2.0)
+            return Deferral("the learner holds all the new authors' batches it takes", NEW_AUTHOR_RETRY_S)
         with self._lock:
             now = self.clock()
             rate = self.trust.new_author_batches_per_s
@@ -146,7 +147,7 @@ class Reputation:
             self._bucket_at = now
             if self._bucket < 1.0:
                 self.deferred_new += 1
-                wait = max(0.5, (1.0 - self._bucket) / rate)
+                wait = max(NEW_AUTHOR_RETRY_S, (1.0 - self._bucket) / rate)
                 return Deferral("new authors' intake is at its rate limit", wait)
             self._bucket -= 1.0
             return None

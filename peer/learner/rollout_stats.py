@@ -31,6 +31,10 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from ..model.sampling import gumbel_noise, nucleus_logprobs
+
+__all__ = ["NUCLEUS_SLACK", "RowStats", "nucleus_logprobs", "row_stats"]
+
 NUCLEUS_SLACK = 0.02  # top-p mass added when deciding "outside the nucleus": float noise at its edge
 
 
@@ -46,6 +50,13 @@ class RowStats:
     entropy: Tensor  # Σ H(p) over the same tokens
     variance: Tensor  # Σ Var_p[log p] over the same tokens
     outside: Tensor  # tokens outside the (slackened) top-p nucleus
+    reproduced: Tensor | None = None  # seeded rows: tokens the row's seed reproduces (Gumbel-max)
+
+    def reproduced_share(self) -> float | None:
+        """Share of the batch's tokens its seeds reproduce (None: not seeded)."""
+        if self.reproduced is None:
+            return None
+        return float(self.reproduced.sum() / self.tokens.sum().clamp_min(1))
 
     def typicality_z(self) -> Tensor:
         """Each row's z = (Σ s - Σ H) / sqrt(Σ Var) (0 where the variance is 0: a deterministic row)."""
@@ -69,27 +80,20 @@ def _z(num: Tensor, var: Tensor) -> Tensor:
     return torch.where(var > 0, num / var.clamp_min(1e-12).sqrt(), torch.zeros_like(num))
 
 
-def nucleus_logprobs(logits: Tensor, temperature: float, top_p: float) -> Tensor:
-    """log p of the sampling distribution: softmax(logits / T) restricted to the top-p nucleus (the smallest
-    set of likeliest tokens holding at least ``top_p`` of the mass) and renormalised; -inf outside it.
-    ``logits`` [..., V] -> [..., V] float32."""
-    logp = torch.log_softmax(logits.float() / temperature, -1)
-    if top_p >= 1.0:
-        return logp
-    sorted_lp, order = logp.sort(-1, descending=True)
-    mass_before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()
-    keep_sorted = mass_before < top_p  # the likeliest token is always kept
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    kept = torch.where(keep, logp, torch.full_like(logp, float("-inf")))
-    return kept - torch.logsumexp(kept, -1, keepdim=True)
-
-
 def row_stats(
-    logits: Tensor, targets: Tensor, mask: Tensor, claimed: Tensor, temperature: float, top_p: float
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    claimed: Tensor,
+    temperature: float,
+    top_p: float,
+    seeds: list[int] | None = None,
 ) -> RowStats:
     """The statistics of rows whose completion ``targets`` [N, T] (``mask`` [N, T]: 1 on real tokens) a
     sampler claims to have drawn with behaviour log-probs ``claimed`` [N, T]; ``logits`` [N, T, V] are the
-    verifier's recomputation under the claimed version (the logits that predict each target)."""
+    verifier's recomputation under the claimed version (the logits that predict each target). ``seeds``: the
+    rows' sampling seeds, when the sampler drew them by Gumbel-max (``reproduced`` counts its tokens the
+    seeds give back)."""
     targets, mask, claimed = (t.to(logits.device) for t in (targets, mask, claimed))
     valid = mask > 0
     n = targets.shape[0]
@@ -114,7 +118,9 @@ def row_stats(
     for i, d in enumerate(torch.split(tok["dev"].double().cpu(), tokens.tolist())):
         if len(d):
             med[i], dmax[i] = d.median(), d.max()
+    reproduced = None if seeds is None else _reproduced(logits, targets, valid, seeds, temperature, top_p)
     return RowStats(
+        reproduced=reproduced,
         tokens=tokens.double(),
         logprob_dev_median=med,
         logprob_dev_max=dmax,
@@ -124,6 +130,21 @@ def row_stats(
         variance=per_row(tok["variance"] * where),
         outside=per_row(tok["outside"]),
     )
+
+
+def _reproduced(
+    logits: Tensor, targets: Tensor, valid: Tensor, seeds: list[int], temperature: float, top_p: float
+) -> Tensor:
+    """Per row: positions where argmax(log p + g(seed, step)) is the row's token."""
+    out = torch.zeros(len(seeds), dtype=torch.float64)
+    for i, seed in enumerate(seeds):
+        n = int(valid[i].sum())
+        if n == 0:
+            continue
+        logp = nucleus_logprobs(logits[i, :n], temperature, top_p)
+        noise = torch.stack([gumbel_noise(seed, t, logp.shape[-1]) for t in range(n)]).to(logp.device)
+        out[i] = float(((logp + noise).argmax(-1) == targets[i, :n]).sum())
+    return out
 
 
 TOKENS_ELEMENTS = 2**25  # float32 logits per chunk of tokens (128 MiB)

@@ -29,6 +29,7 @@ import torch
 
 from heterorl.protocol.settings import TrustSettings
 from heterorl.protocol.wire.checkpoint import deserialize_state_dict
+from heterorl.protocol.wire.seeds import row_seed
 
 from ..model.logprobs import completion_logits
 from .intake import Refusal
@@ -65,6 +66,12 @@ def judge(stats: RowStats, trust: TrustSettings, author_z: float | None = None) 
     if abs(z) > trust.max_typicality_z:
         likely = "less" if z > 0 else "more"
         return f"tokens {likely} likely than the run's sampling makes them (z = {z:+.1f})"
+    if trust.min_reproduced > 0:
+        share = stats.reproduced_share()
+        if share is None:
+            return "the run asks for seeded sampling and the batch's rows are not seeded"
+        if share < trust.min_reproduced:
+            return f"its seeds reproduce {share:.0%} of its tokens (the run asks {trust.min_reproduced:.0%})"
     if author_z is not None and abs(author_z) > trust.max_typicality_z:
         likely = "less" if author_z > 0 else "more"
         return f"its checked tokens together are {likely} likely than sampled ones (z = {author_z:+.1f})"
@@ -120,10 +127,15 @@ class SpotCheck:
         pad_id: int,
         temperature: float,
         top_p: float,
+        run_id: str = "",
     ):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)  # its own weights, never training's
         self.versions, self.reputation, self.trust = versions, reputation, trust
-        self.pad_id, self.temperature, self.top_p = pad_id, temperature, top_p
+        self.pad_id, self.temperature, self.top_p, self.run_id = pad_id, temperature, top_p, run_id
+        # per author: (tokens reproduced, tokens of seeded batches checked): what seeded sampling adds
+        self.reproduced: collections.defaultdict[bytes, list[float]] = collections.defaultdict(
+            lambda: [0.0, 0.0]
+        )
         self._loaded: int | None = None
         self._lock = threading.Lock()  # one check at a time on the checker's model
         self.checked = 0
@@ -150,7 +162,7 @@ class SpotCheck:
         try:
             with self._lock:
                 try:
-                    stats = self._stats(body)
+                    stats = self._stats(body, author)
                 except Exception as e:  # weights that do not load, a model that fails: not the author's fault
                     log.warning("a batch could not be checked: %s: %s", type(e).__name__, e)
                     self._loaded = None
@@ -176,6 +188,7 @@ class SpotCheck:
                 "z_num": num,
                 "z_var": var,
                 "tokens": float(stats.tokens.sum()),
+                "reproduced": stats.reproduced_share(),
             }
             return Verdict(reason, stats=summary)
         finally:
@@ -183,7 +196,7 @@ class SpotCheck:
                 self.seconds += time.perf_counter() - t
 
     @torch.no_grad()
-    def _stats(self, body: dict) -> RowStats | None:
+    def _stats(self, body: dict, author: bytes) -> RowStats | None:
         version = body["policy_version"]
         if self._loaded != version:
             state = self.versions.get(version)
@@ -194,7 +207,23 @@ class SpotCheck:
             self._loaded = version
         rows = rows_from_bodies([body], self.pad_id)
         logits = completion_logits(self.model, rows.prompts, rows.completions, rows.mask, self.pad_id)
-        return row_stats(logits, rows.completions, rows.mask, rows.logq, self.temperature, self.top_p)
+        seeds = None
+        if body.get("seeded"):
+            bid = body["batch_id"]
+            seeds = [row_seed(self.run_id, author, bid, version, r) for r in range(len(body["rows"]))]
+        stats = row_stats(
+            logits, rows.completions, rows.mask, rows.logq, self.temperature, self.top_p, seeds=seeds
+        )
+        if stats.reproduced is not None:
+            tally = self.reproduced[author]
+            tally[0] += float(stats.reproduced.sum())
+            tally[1] += float(stats.tokens.sum())
+        return stats
+
+    def reproduced_by_author(self) -> dict[str, float]:
+        """Per author (hex): the share of its seeded checked tokens its seeds reproduced."""
+        with self._lock:
+            return {a.hex(): r / t for a, (r, t) in self.reproduced.items() if t}
 
     def stats(self) -> dict[str, float]:
         return {

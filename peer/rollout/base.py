@@ -14,6 +14,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 8
+    # one per prompt: draw each row's tokens reproducibly from its seed (protocol/wire/seeds.py); None: the
+    # engine's own randomness
+    seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:

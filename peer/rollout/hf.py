@@ -2,6 +2,7 @@
 
 Behaviour log-probs are taken from the raw logits generate returns, divided by the temperature (before top-p
 truncation), so they equal what the learner recomputes with :func:`heterorl.peer.model.completion_logprobs`.
+With ``SamplingParams.seeds`` each row is drawn by Gumbel-max from its seed (:mod:`.seeded`): reproducible.
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from transformers import LogitsProcessorList
 
 from ..model.logprobs import left_pad
 from ..model.state import check_state_fits
 from ..model.text import completion_text
 from .base import Rollouts, SamplingParams
+from .seeded import GumbelDraw
 from .stops import eos_mask
 
 
@@ -45,13 +48,17 @@ class HFBackend:
         model.eval()
         device = next(model.parameters()).device
         ids, attn, width = left_pad(prompt_ids, tok.pad_token_id)
+        if params.seeds is not None:  # Gumbel-max with each row's seed: greedy over the processor's scores
+            if len(params.seeds) != len(prompt_ids):
+                raise ValueError(f"{len(params.seeds)} seeds for {len(prompt_ids)} prompts")
+            draw = GumbelDraw(list(params.seeds), width, params.temperature, params.top_p)
+            how = {"do_sample": False, "logits_processor": LogitsProcessorList([draw])}
+        else:
+            how = {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         out = model.generate(
             input_ids=ids.to(device),
             attention_mask=attn.to(device),
-            do_sample=True,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=0,
+            **how,
             max_new_tokens=params.max_new_tokens,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,

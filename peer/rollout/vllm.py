@@ -252,6 +252,10 @@ class VLLMBackend:
             stop_token_ids=[tok.eos_token_id] if tok.eos_token_id is not None else None,
             detokenize=False,
         )
+        if params.seeds is not None:  # vLLM's sampler with each request's seed: deterministic per row
+            sp = [sp.clone() for _ in prompt_ids]
+            for s, seed in zip(sp, params.seeds, strict=True):
+                s.seed = seed
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids],
             sp,

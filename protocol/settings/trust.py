@@ -40,12 +40,17 @@ class TrustSettings:
     max_outside_nucleus: float = setting(
         0.02, "refuse a batch with more than this share of tokens outside the top-p nucleus"
     )
+    min_reproduced: float = setting(
+        0.0,
+        "refuse a checked batch unless its rows are seeded (drawn by Gumbel-max from seeds derived from the "
+        "batch: the hf engine) and the seeds reproduce at least this share of its tokens (0: measure only)",
+    )
     ban_strikes: int = setting(3, "ban an author for the run after this many refused batches...")
     ban_strike_share: float = setting(
-        0.2, "... if they are also at least this share of its checked batches (0: strikes alone)"
+        0.1, "... if they are also at least this share of its checked batches (0: strikes alone)"
     )
     new_author_batches_per_s: float = setting(
-        2.0, "batches per second taken from all authors without a record together (more are deferred)"
+        1.0, "batches per second taken from all authors without a record together (more are deferred)"
     )
     new_author_buffer_share: float = setting(
         0.25,
@@ -57,7 +62,7 @@ class TrustSettings:
     )
 
     def __post_init__(self) -> None:
-        for name in ("check_rate", "new_author_buffer_share"):
+        for name in ("check_rate", "new_author_buffer_share", "min_reproduced"):
             value = getattr(self, name)
             check_number(f"trust.{name}", value, 0, low_included=True)
             if value > 1:

@@ -58,7 +58,12 @@ SCHEMAS: dict[str, s.Check] = {
             ),
         },
         # the rollout engine and its dtype ("vllm", "bfloat16"): the learner's mismatch diagnostics per engine
-        optional={"engine": s.text(16), "engine_dtype": s.text(16)},
+        optional={
+            "engine": s.text(16),
+            "engine_dtype": s.text(16),
+            # rows drawn by Gumbel-max from protocol/wire/seeds.py row_seed: reproducible by a verifier
+            "seeded": s.boolean(),
+        },
     ),
     "CheckpointManifest": s.record(
         {
