@@ -173,9 +173,9 @@ def test_share_zero_bans_on_strikes_alone():
 
 def test_new_authors_share_a_token_bucket():
     clock = FakeClock()
-    trust = TrustSettings(new_author_batches_per_s=2.0, record_batches=3)
+    trust = TrustSettings(new_author_batches_per_s=2.0, record_batches=1)
     rep = reputation(trust, clock=clock)
-    burst = 4  # the bucket holds two seconds of the rate
+    burst = 4  # the bucket holds two seconds of the rate (or two records' worth, if more: 2 here)
     fresh = (bytes([i]) * 32 for i in range(256))
     for _ in range(burst):
         assert rep.check_rate(body(), next(fresh)) is None
@@ -273,20 +273,30 @@ def rows_of(seed: int, n: int = 4) -> list[dict]:
 
 def test_replay_of_another_authors_rows_is_refused():
     index = ReplayIndex()
-    rows = rows_of(0)
+    rows = rows_of(0, 8)  # 4 groups of 2
     assert index(body(rows=rows), A) is None
     index.add(body(rows=rows), A)
     refused = index(body(rows=rows), B)
-    assert refused is not None and "4 of 4" in refused
+    assert refused is not None and "a batch another author sent" in refused
+    assert index(body(rows=rows[::-1]), B) is not None  # the same rows in another order
     assert index(body(rows=rows), A) is None  # its own rows again (a retry)
-    fresh = rows_of(1)
-    assert index(body(rows=rows[:1] + fresh[:3]), B) is None  # fewer than half
-    half = index(body(rows=rows[:2] + fresh[:2]), B)
-    assert half is not None and "2 of 4" in half
-    # a single replayed row (or one row twice) is not enough: two distinct ones are
-    assert index(body(rows=rows[:1]), B) is None
-    assert index(body(rows=rows[:1] * 2), B) is None
-    assert index(body(rows=rows[:2]), B) is not None
+    fresh = rows_of(1, 8)
+    assert index(body(rows=rows[:3] + fresh[:5]), B) is None  # fewer than half
+    half = index(body(rows=rows[:4] + fresh[:4]), B)
+    assert half is not None and "4 of 8" in half
+
+
+def test_a_few_identical_rows_of_a_peaked_model_are_not_a_replay():
+    # two honest samplers of one engine and version draw the same rows of a near-certain prompt
+    index = ReplayIndex()
+    rows = rows_of(0, 8)
+    index.add(body(rows=rows), A)
+    same = [dict(rows[0], group=0)] * 4 + [dict(rows[1], group=1)] * 4  # 2 distinct rows, all matching
+    assert index(body(rows=same), B) is None
+    one_group = [dict(r, group=0) for r in rows[:4]] + [dict(r, group=1) for r in rows_of(3, 4)]
+    assert index(body(rows=one_group), B) is None  # 4 distinct rows, but from one of its groups only
+    two_groups = [dict(r, group=i % 2) for i, r in enumerate(rows[:4])] + rows_of(4, 4)
+    assert index(body(rows=two_groups), B) is not None
 
 
 def test_replay_index_keeps_the_newest_fingerprints():
@@ -399,3 +409,12 @@ def test_admission_with_reputation_bans_after_strikes():
     assert refused is not None and refused.startswith("author banned")
     assert adm.refused == {"reward": 2, "banned": 1}
     assert rep.strikes() == {A: 2}
+
+
+def test_samplers_starting_together_earn_their_records_without_waiting():
+    clock = FakeClock()
+    trust = TrustSettings(new_author_batches_per_s=1.0, record_batches=8)
+    rep = reputation(trust, clock=clock)
+    for i in range(2 * trust.record_batches):  # two samplers' first batches, at once
+        assert rep.check_rate(body(), A if i % 2 else B) is None, i
+    assert isinstance(rep.check_rate(body(), bytes([9]) * 32), Deferral)  # then the rate

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from heterorl.bench.trust import run_trust
 from heterorl.protocol import load_or_create_identity
 from heterorl.testing.attacks import REPLAY_FROM_ENV
 from heterorl.testing.swarm import Swarm
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 GROUPS = [
     ("forged-shift", "forged-copied", "other-model", "backdoor", "stale-claim"),
-    ("forged-constant", "other-model-recomputed", "perturbed-weights", "replay"),
+    ("forged-constant", "other-model-recomputed", "wrong-temperature", "perturbed-weights", "replay"),
 ]
 
 
@@ -30,7 +31,7 @@ def _key(swarm: Swarm, name: str) -> str:
 
 @pytest.mark.parametrize("attacks", GROUPS, ids=["group-1", "group-2"])
 def test_hostile_samplers_are_caught_banned_shown_and_never_trained_on(tmp_path, tiny_model_dir, attacks):
-    swarm = Swarm(tmp_path / "swarm", tiny_model_dir)
+    swarm = Swarm(tmp_path / "swarm", tiny_model_dir, extra_toml=run_trust(seeded=True))
     os.environ[REPLAY_FROM_ENV] = str(swarm.root / "honest-f32")
     try:
         swarm.start_coordinator()

@@ -42,6 +42,18 @@ DEFAULT_ATTACKS = (
     "flood",
 )
 SEEDED_MIN_REPRODUCED = 0.9
+# the run's thresholds for the tiny model and its hf engines, as a host calibrates its run (docs/trust.md):
+# the worst honest hf bfloat16 batch's mean |Δ log-prob| is 0.010 there (0 in float32), so 0.03, not the
+# 0.15 a 135M model in bfloat16 on vLLM needs
+TINY_TRUST = {"max_logprob_gap": 0.03}
+
+
+def run_trust(seeded: bool) -> str:
+    """run.toml's ``[trust]`` of the bench's run (and of the swarm tests of the same attacks)."""
+    values = {**TINY_TRUST, "min_reproduced": SEEDED_MIN_REPRODUCED if seeded else 0.0}
+    return "[trust]\n" + "".join(f"{k} = {v}\n" for k, v in values.items())
+
+
 ENGINES = ("hf/float32", "hf/bfloat16", "vllm/float32", "vllm/bfloat16")
 
 
@@ -119,8 +131,7 @@ def run(args: argparse.Namespace) -> dict:
     root = Path(args.root or tempfile.mkdtemp(prefix="heterorl-trust-"))
     model = ensure_model(TINY_MODEL_DIR)
     seeded = not args.unseeded and all(e.startswith("hf/") for e in engines)
-    trust = f"[trust]\nmin_reproduced = {SEEDED_MIN_REPRODUCED if seeded else 0.0}\n"
-    swarm = Swarm(root, model, lr=2e-3, extra_toml=trust, prompts_per_update=8, buffer_batches=16)
+    swarm = Swarm(root, model, lr=2e-3, extra_toml=run_trust(seeded), prompts_per_update=8, buffer_batches=16)
     honest_names = [f"honest-{i}" for i in range(len(engines))]
     os.environ[REPLAY_FROM_ENV] = str(root / honest_names[0])
     out: dict = {"engines": engines, "seeded": seeded, "attacks": {}}

@@ -72,7 +72,9 @@ class Reputation:
         self._lock = threading.Lock()
         self._authors: dict[bytes, AuthorRecord] = collections.defaultdict(AuthorRecord)
         rate = trust.new_author_batches_per_s
-        self._bucket_capacity = max(1.0, 2 * rate)
+        # a burst of two records' worth: samplers starting together earn theirs at full speed; a flood of
+        # fresh keys gets the rate once it is spent
+        self._bucket_capacity = max(1.0, 2 * rate, 2.0 * trust.record_batches)
         self._bucket, self._bucket_at = self._bucket_capacity, clock()
         self.deferred_new = 0
 

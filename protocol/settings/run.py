@@ -70,7 +70,7 @@ max_lag = 4                        # stop generating while more than 4 versions 
 
 [trust]                            # how learners check what samplers send (docs/trust.md)
 check_rate = 0.1                   # share of batches of authors with a record that are recomputed and checked
-record_batches = 16                # an author's first 16 batches (and 16 after a strike): checked, held
+record_batches = 8                 # an author's first 8 batches (and 8 after a strike): checked, held
 ban_strikes = 3                    # refused batches that ban an author for the run
 
 # [adapter]                        # LoRA adapters on a frozen base; absent: full fine-tuning

@@ -17,7 +17,7 @@ class TrustSettings:
         0.1, "share of batches from authors with a record whose rows are recomputed and checked"
     )
     record_batches: int = setting(
-        16,
+        8,
         "an author's first N batches (and N more after any strike) are all checked, rate-limited and held "
         "out of training until they passed",
     )
