@@ -249,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
             "hostile samplers (forged log-probs, other models, backdoors, replays, a flood) vs the checks",
         ),
         (
+            "trust-calibration",
+            "trust_calibration",
+            "honest engines and dtypes (hf, vLLM; float32, bfloat16) against the spot checks' thresholds",
+        ),
+        (
             "weights",
             "weights",
             "sparse bf16 checkpoint deltas on real RL updates (tiny, SmolLM2): bytes, ratio, exactness",
