@@ -9,7 +9,7 @@ import pytest
 
 from heterorl.peer.learner.intake import Admission, Refusal
 from heterorl.peer.learner.replay import ReplayIndex
-from heterorl.peer.learner.reputation import NEW_AUTHOR_RETRY_S, SUSPICIOUS_Z, Reputation
+from heterorl.peer.learner.reputation import NEW_AUTHOR_RETRY_S, SUSPICIOUS_Z, Z_DECAY, Reputation
 from heterorl.protocol.net.trajectories import Deferral
 from heterorl.protocol.settings import TrustSettings
 
@@ -83,8 +83,20 @@ def test_typicality_adds_up_over_checked_batches():
     assert rep.typicality_z(A, 3.0, 4.0) == pytest.approx(1.5)
     rep.passed_check(A, 3.0, 4.0)
     rep.passed_check(A, 1.0, 5.0)
-    assert rep.typicality_z(A, 2.0, 7.0) == pytest.approx((3 + 1 + 2) / (4 + 5 + 7) ** 0.5)
+    d = Z_DECAY  # older batches weigh less: d per batch checked since
+    num, var = d * (d * 3 + 1) + 2, d * (d * 4 + 5) + 7
+    assert rep.typicality_z(A, 2.0, 7.0) == pytest.approx(num / var**0.5)
     assert rep.typicality_z(B, 0.0, 0.0) == 0.0
+
+
+def test_an_engines_small_bias_does_not_add_up_over_a_long_run():
+    rep = reputation()
+    for _ in range(5000):  # z = +0.2 every batch: over all of them z would be 0.2 * sqrt(5000) = 14
+        rep.passed_check(A, 0.2 * 10.0, 100.0)
+    assert rep.typicality_z(A, 0.0, 0.0) < 2.5  # the last ~100 weigh: ~0.2 * sqrt(199)
+    for _ in range(40):  # a wrong temperature: z = -1.7 every batch
+        rep.passed_check(B, -1.7 * 10.0, 100.0)
+    assert rep.typicality_z(B, 0.0, 0.0) < -6
 
 
 def test_an_author_whose_tokens_lean_one_way_is_checked_densely():

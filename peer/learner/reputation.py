@@ -14,8 +14,9 @@
 - **Version claims.** Ordered by the batches' signed timestamps, an author's claimed versions never go back: a
   batch stamped later than another of the same author may not claim an older version (out-of-order delivery
   of honest batches stays fine).
-- **Typicality over time.** Each checked batch's typicality sums are added to the author's, so a small bias
-  per batch (a slightly wrong temperature) adds up to a refusal.
+- **Typicality over time.** Each checked batch's typicality sums are added to the author's (the last ~100
+  checked batches weigh, :data:`Z_DECAY`), so a bias per batch (a wrong temperature) adds up to a refusal,
+  and an honest engine's own small one does not over a long run.
 
 Thread-safe: the intake pool's threads call it.
 """
@@ -38,6 +39,10 @@ CLAIMS_KEPT = 64  # an author's most recent (timestamp, version) claims, for the
 # |z| of an author's checked tokens taken together beyond which all its batches are checked: an honest author
 # is there ~0.3 % of the time (it costs checks, nothing else); the refusal threshold is trust.max_typicality_z
 SUSPICIOUS_Z = 3.0
+# each checked batch's typicality sums weigh this much less per batch checked since: an author's z is over the
+# last ~1 / (1 - Z_DECAY) = 100 checked batches. Honest bfloat16 engines lean by up to ~0.2 per batch (z of a
+# batch; docs/trust.md), which over all of a long run's checks would cross any threshold; over 100 it is ~2
+Z_DECAY = 0.99
 NEW_AUTHOR_RETRY_S = 5.0  # how long a deferred author without a record waits: a flood's retries cost intake
 
 
@@ -181,8 +186,8 @@ class Reputation:
         """The author's typicality z over its checked batches so far and this one (not yet added)."""
         with self._lock:
             r = self._authors.get(author) or AuthorRecord()
-            total = r.z_var + var
-            return (r.z_num + num) / math.sqrt(total) if total > 0 else 0.0
+            total = Z_DECAY * r.z_var + var
+            return (Z_DECAY * r.z_num + num) / math.sqrt(total) if total > 0 else 0.0
 
     def passed_check(self, author: bytes, num: float, var: float) -> None:
         with self._lock:
@@ -190,8 +195,8 @@ class Reputation:
             r.checked += 1
             r.passed += 1
             r.dense_left = max(0, r.dense_left - 1)
-            r.z_num += num
-            r.z_var += var
+            r.z_num = Z_DECAY * r.z_num + num  # a window of ~100 checked batches, not all of them:
+            r.z_var = Z_DECAY * r.z_var + var  # an engine's own small bias must not add up over a long run
 
     def accepted(self, body: dict, author: bytes) -> None:
         with self._lock:
