@@ -43,9 +43,9 @@ DEFAULT_ATTACKS = (
 )
 SEEDED_MIN_REPRODUCED = 0.9
 # the run's thresholds for the tiny model and its hf engines, as a host calibrates its run (docs/trust.md):
-# the worst honest hf bfloat16 batch's mean |Δ log-prob| is 0.010 there (0 in float32), so 0.03, not the
+# the worst honest hf bfloat16 batch's mean |Δ log-prob| is 0.010 there (0 in float32), so 0.02, not the
 # 0.15 a 135M model in bfloat16 on vLLM needs
-TINY_TRUST = {"max_logprob_gap": 0.03}
+TINY_TRUST = {"max_logprob_gap": 0.02}
 
 
 def run_trust(seeded: bool) -> str:
@@ -131,7 +131,9 @@ def run(args: argparse.Namespace) -> dict:
     root = Path(args.root or tempfile.mkdtemp(prefix="heterorl-trust-"))
     model = ensure_model(TINY_MODEL_DIR)
     seeded = not args.unseeded and all(e.startswith("hf/") for e in engines)
-    swarm = Swarm(root, model, lr=2e-3, extra_toml=run_trust(seeded), prompts_per_update=8, buffer_batches=16)
+    # the run's default lr: the tiny task is not solved within the bench, so every attack meets a policy that
+    # still learns (at 4x it is near-deterministic after a few thousand updates, as are the later attacks)
+    swarm = Swarm(root, model, lr=5e-4, extra_toml=run_trust(seeded), prompts_per_update=8, buffer_batches=16)
     honest_names = [f"honest-{i}" for i in range(len(engines))]
     os.environ[REPLAY_FROM_ENV] = str(root / honest_names[0])
     out: dict = {"engines": engines, "seeded": seeded, "attacks": {}}
