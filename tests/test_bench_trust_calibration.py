@@ -28,6 +28,8 @@ KEYS = {
     "refused",
     "false_refusal_rate",
     "refusal_reasons",
+    "batch_z",
+    "batch_logprob_dev",
     "margin",
     "seconds",
 }
@@ -39,14 +41,14 @@ def test_honest_hf_batches_of_the_tiny_model_pass(tmp_path, tiny_model_dir, caps
     argv += ["--tiny-model", str(tiny_model_dir), "--json", str(out)]
     assert trust_calibration.main(argv) == 0
     data = json.loads(out.read_text())
-    assert data["rows_per_batch"] == 16 and data["skipped"] == []
+    assert data["complete"] and data["rows_per_batch"] == 16 and data["skipped"] == []
     assert data["thresholds"]["max_logprob_dev"] > 0
     results = {r["engine"]: r for r in data["results"]}
     assert set(results) == {"hf/float32", "hf/bfloat16"}
     for r in results.values():
         assert set(r) == KEYS
         assert r["model"] == "tiny" and r["published"] == "float32" and r["batches"] == 4
-        assert r["tokens_per_batch"] > 0
+        assert r["tokens_per_batch"] > 0 and len(r["batch_z"]) == len(r["batch_logprob_dev"]) == 4
         assert set(r["margin"]) == {"logprob_dev", "row_logprob_dev", "typicality_z"}
     f32 = results["hf/float32"]
     assert f32["logprob_dev_max"] < 1e-3 and f32["row_logprob_dev_max"] < 1e-3

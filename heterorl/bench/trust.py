@@ -1,12 +1,12 @@
 """``heterorl bench trust``: hostile samplers against the learner's checks, in one real swarm on 127.0.0.1.
 
-One run of the tiny model: a coordinator, a learner and honest samplers of mixed engines (``--honest``,
-default hf/float32 and hf/bfloat16). After a baseline phase of honest data alone, each attack
-(:mod:`heterorl.testing.attacks`, or any ``--attack module:function``) joins as a sampler process of its own
-for a phase, then leaves. Per attack it reports the share of the hostile rows that reached training
+Each attack (:mod:`heterorl.testing.attacks`, or any ``--attack module:function``) meets a fresh run of the
+tiny model: a coordinator, a learner and honest samplers of mixed engines (``--honest``, default hf/float32
+and hf/bfloat16); after a baseline of honest data alone, the attack joins as a sampler process of its own
+for a phase. Per attack it reports the share of the hostile rows that reached training
 (``reached_training_frac``), whether the author was banned (``banned``, and why), and the reward during its
-phase beside the baseline's. A flood is measured by the honest samplers' intake during it against an honest
-phase just before it (``honest_intake_kept``). For the honest samplers: the share of their batches refused
+phase beside the baseline's. A flood is measured by the honest samplers' intake during it against the
+baseline before it (``honest_intake_kept``). For the honest samplers: the share of their batches refused
 (``honest_false_refusal``) and how many were banned (``honest_banned``). ``check_time_frac`` is the checks'
 time over the learner's wall time during the baseline (the default rates, no attacker).
 
@@ -75,7 +75,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="the run does not ask for seeded sampling (trust.min_reproduced 0); by default it asks for "
         "0.9 of the tokens reproduced, as a run of hf samplers can",
     )
-    ap.add_argument("--baseline-s", type=float, default=60.0, help="honest data alone (default: %(default)s)")
+    ap.add_argument(
+        "--baseline-s", type=float, default=20.0, help="honest data alone, in each run (default: %(default)s)"
+    )
     ap.add_argument(
         "--phase-s", type=float, default=40.0, help="each attack's time in the swarm (default: %(default)s)"
     )
@@ -120,9 +122,8 @@ def _reward(rows: list[dict]) -> float | None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Each attack against a fresh run (its own swarm from version 0, honest samplers, a baseline first)."""
     from heterorl.peer.model.tiny import TINY_MODEL_DIR, ensure_model
-    from heterorl.testing.attacks import FLOODS, REPLAY_FROM_ENV
-    from heterorl.testing.swarm import Swarm
 
     attacks = args.attack or list(DEFAULT_ATTACKS)
     engines = [e.strip() for e in args.honest.split(",") if e.strip()]
@@ -131,41 +132,53 @@ def run(args: argparse.Namespace) -> dict:
     root = Path(args.root or tempfile.mkdtemp(prefix="heterorl-trust-"))
     model = ensure_model(TINY_MODEL_DIR)
     seeded = not args.unseeded and all(e.startswith("hf/") for e in engines)
-    # the run's default lr: the tiny task is not solved within the bench, so every attack meets a policy that
-    # still learns (at 4x it is near-deterministic after a few thousand updates, as are the later attacks)
+    out: dict = {"engines": engines, "seeded": seeded, "attacks": {}, "root": str(root)}
+    honest = {"refused": 0, "accepted": 0, "banned": 0, "check_s": 0.0, "wall_s": 0.0, "updates": 0}
+    out["honest_reproduced_frac"] = {}
+    for i, attack in enumerate(attacks):
+        entry, h = _one_run(root / f"run-{i}", model, engines, seeded, attack, args)
+        out["attacks"][attack] = entry
+        for k in honest:
+            honest[k] += h[k]
+        out["honest_reproduced_frac"].update(h["reproduced"])
+        print(f"{attack}: {json.dumps(entry)}", flush=True)
+    out["honest_false_refusal"] = round(honest["refused"] / max(1, honest["refused"] + honest["accepted"]), 5)
+    out["honest_batches"] = honest["refused"] + honest["accepted"]
+    out["honest_banned"] = honest["banned"]
+    out["check_time_frac"] = round(honest["check_s"] / max(1e-9, honest["wall_s"]), 4)
+    out["updates"] = honest["updates"]
+    return out
+
+
+def _one_run(
+    root: Path, model: str, engines: list[str], seeded: bool, attack: str, args
+) -> tuple[dict, dict]:
+    from heterorl.testing.attacks import FLOODS, REPLAY_FROM_ENV
+    from heterorl.testing.swarm import Swarm
+
+    # the run's default lr: the policy still learns through the phase (a near-deterministic one, the tiny task
+    # solved, is measured apart: docs/trust.md)
     swarm = Swarm(root, model, lr=5e-4, extra_toml=run_trust(seeded), prompts_per_update=8, buffer_batches=16)
     honest_names = [f"honest-{i}" for i in range(len(engines))]
     os.environ[REPLAY_FROM_ENV] = str(root / honest_names[0])
-    out: dict = {"engines": engines, "seeded": seeded, "attacks": {}}
     try:
         swarm.start_coordinator()
         swarm.start_learner()
         for name, engine in zip(honest_names, engines, strict=True):
             swarm.start_sampler(name, "--nice", "10", *_engine_flags(engine))
-        print(f"swarm up in {root}; warming up", flush=True)
         swarm.wait_step(5, timeout=300)
         honest16 = {_key_of(root / n)[:16] for n in honest_names}
         t0 = time.time()
         time.sleep(args.baseline_s)
         base = (t0, time.time())
-        print(f"baseline: {swarm.step()} updates so far", flush=True)
-        phases = {}
-        controls = {}
-        for i, attack in enumerate(attacks):
-            name = f"attack-{i}"
-            nice = "19" if attack in FLOODS else "10"
-            if attack in FLOODS:  # honest data alone just before: the intake it is compared with
-                t_control = time.time()
-                time.sleep(args.phase_s)
-                controls[attack] = (t_control, time.time())
-            proc = swarm.start_sampler(
-                name, "--nice", nice, "--attack", attack, module="heterorl.testing.hostile"
-            )
-            t_start = time.time()
-            time.sleep(args.phase_s)
-            proc.terminate(timeout=30)
-            phases[attack] = (name, t_start, time.time())
-            print(f"{attack}: phase over at update {swarm.step()}", flush=True)
+        flood = attack in FLOODS
+        nice = "19" if flood else "10"
+        flags = ("--nice", nice, "--attack", attack)
+        proc = swarm.start_sampler("attacker", *flags, module="heterorl.testing.hostile")
+        t_start = time.time()
+        time.sleep(args.phase_s)
+        proc.terminate(timeout=30)
+        t_end = time.time()
     finally:
         swarm.close()  # the learner leaves last-published and writes its final stats
     learner = _final(swarm.learner_dir)
@@ -176,54 +189,48 @@ def run(args: argparse.Namespace) -> dict:
     reproduced = learner.get("reproduced", {})
     rows_per_batch = swarm.sampler_settings["prompts_per_batch"] * swarm.settings["group_size"]
     base_rows = _window(metrics, *base)
-    for attack, (name, t_start, t_end) in phases.items():
-        key = _key_of(root / name)
-        mine = _final(root / name)
-        during = _window(metrics, t_start, t_end)
-        entry: dict = {"reward_during": _reward(during), "reward_baseline": _reward(base_rows)}
-        if attack in FLOODS:
-            c0, c1 = controls[attack]
-            control = _rows_per_s(_window(metrics, c0, c1), honest16, c0, c1)
-            kept = _rows_per_s(during, honest16, t_start, t_end) / max(1e-9, control)
-            flooders = {
-                a: r for a, r in authors.items() if a not in {_key_of(root / n) for n in honest_names}
-            }
-            entry.update(
-                honest_intake_kept=round(kept, 3),
-                flood_batches_made=mine.get("batches_made", 0),
-                flood_identities_seen=len([a for a, r in flooders.items() if r["accepted"] or r["strikes"]]),
-                flood_batches_accepted=sum(r["accepted"] for r in flooders.values()),
-            )
-        else:
-            answered = mine.get("batches_acked", 0) + mine.get("batches_rejected", 0)
-            sent_rows = answered * rows_per_batch
-            record = authors.get(key, {})
-            entry.update(
-                reached_training_frac=round(trained.get(key, 0) / max(1, sent_rows), 4),
-                banned=key in bans,
-                ban_reason=bans.get(key),
-                hostile_batches_answered=answered,
-                hostile_batches_accepted=record.get("accepted", 0),
-                hostile_rows_trained=trained.get(key, 0),
-                reproduced_frac=reproduced.get(key),
-                strikes=record.get("strikes", 0),
-            )
-        out["attacks"][attack] = entry
+    during = _window(metrics, t_start, t_end)
+    entry: dict = {"reward_during": _reward(during), "reward_baseline": _reward(base_rows)}
     honest_keys = [_key_of(root / n) for n in honest_names]
-    refused = sum(learner.get("strikes", {}).get(k, 0) for k in honest_keys)
-    accepted = sum(authors.get(k, {}).get("accepted", 0) for k in honest_keys)
-    out["honest_false_refusal"] = round(refused / max(1, refused + accepted), 5)
-    out["honest_batches"] = refused + accepted
-    out["honest_banned"] = sum(k in bans for k in honest_keys)
-    out["honest_reproduced_frac"] = {k[:16]: reproduced.get(k) for k in honest_keys}
+    mine = _final(root / "attacker")
+    if flood:  # the honest samplers' trained rows per second, during the flood and in the baseline before it
+        kept = _rows_per_s(during, honest16, t_start, t_end) / max(
+            1e-9, _rows_per_s(base_rows, honest16, *base)
+        )
+        flooders = {a: r for a, r in authors.items() if a not in set(honest_keys)}
+        entry.update(
+            honest_intake_kept=round(kept, 3),
+            flood_batches_made=mine.get("batches_made", 0),
+            flood_identities_seen=len([a for a, r in flooders.items() if r["accepted"] or r["strikes"]]),
+            flood_batches_accepted=sum(r["accepted"] for r in flooders.values()),
+        )
+    else:
+        key = _key_of(root / "attacker")
+        answered = mine.get("batches_acked", 0) + mine.get("batches_rejected", 0)
+        record = authors.get(key, {})
+        entry.update(
+            reached_training_frac=round(trained.get(key, 0) / max(1, answered * rows_per_batch), 4),
+            banned=key in bans,
+            ban_reason=bans.get(key),
+            hostile_batches_answered=answered,
+            hostile_batches_accepted=record.get("accepted", 0),
+            hostile_rows_trained=trained.get(key, 0),
+            strikes=record.get("strikes", 0),
+            reproduced_frac=reproduced.get(key),
+        )
     c0 = base_rows[0] if base_rows else {}
     c1 = base_rows[-1] if base_rows else {}
-    span = (c1.get("time", 0) - c0.get("time", 0)) or 1e-9
-    out["check_time_frac"] = round((c1.get("trust/check_s", 0) - c0.get("trust/check_s", 0)) / span, 4)
-    out["updates"] = learner.get("step")
-    out["checked_batches"] = learner.get("trust/checked")
-    out["root"] = str(root)
-    return out
+    refused = sum(learner.get("strikes", {}).get(k, 0) for k in honest_keys)
+    honest = {
+        "refused": refused,
+        "accepted": sum(authors.get(k, {}).get("accepted", 0) for k in honest_keys),
+        "banned": sum(k in bans for k in honest_keys),
+        "check_s": c1.get("trust/check_s", 0) - c0.get("trust/check_s", 0),
+        "wall_s": c1.get("time", 0) - c0.get("time", 0),
+        "updates": learner.get("step") or 0,
+        "reproduced": {k[:16]: reproduced.get(k) for k in honest_keys},
+    }
+    return entry, honest
 
 
 def report(r: dict) -> str:
