@@ -234,9 +234,8 @@ def _one_run(
 
 
 def report(r: dict) -> str:
-    lines = [
-        f"honest engines: {', '.join(r['engines'])}; {r['updates']} updates; {r['checked_batches']} checked"
-    ]
+    seeded = "seeded sampling asked" if r["seeded"] else "unseeded"
+    lines = [f"honest engines: {', '.join(r['engines'])}; {seeded}; {r['updates']} updates in all runs"]
     for name, a in r["attacks"].items():
         if "honest_intake_kept" in a:
             lines.append(
@@ -258,7 +257,7 @@ def report(r: dict) -> str:
 
 def run_from_args(args: argparse.Namespace) -> int:
     r = run(args)
-    print(report(r))
-    if args.json:
+    if args.json:  # first: the figures are kept whatever the printing does
         Path(args.json).write_text(json.dumps(r, indent=1))
+    print(report(r))
     return 0

@@ -21,7 +21,9 @@ import argparse
 import collections
 import dataclasses
 import json
+import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ import numpy as np
 ENGINES = ("hf/float32", "hf/bfloat16", "vllm/float32", "vllm/bfloat16")
 PROMPTS_PER_BATCH, GROUP_SIZE = 2, 8  # a sampler's batch: 16 rows
 TEMPERATURE, TOP_P = 1.0, 1.0
+MAX_MODEL_LEN = 512  # a vLLM engine's context (prompt + completion), within the model's own limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,14 +118,18 @@ def _published_bytes(model, dtype: str) -> bytes:
 
 
 def _make_backend(engine: str, model_dir: str, tok, spec: ModelSpec, threads: int, seed: int):
+    from heterorl.peer.model.loader import load_config
     from heterorl.peer.rollout import make_backend
 
     backend, dtype = engine.split("/")
     if backend == "hf":
         return make_backend("hf", model_dir, tok, dtype=dtype)
+    # a float32 checkpoint rounded into a bfloat16 engine, as a sampler's is: not worth a line per tensor
+    logging.getLogger("vllm.model_executor.models.utils").setLevel(logging.ERROR)
     rows = spec.batches_per_call * PROMPTS_PER_BATCH * GROUP_SIZE
+    max_len = min(MAX_MODEL_LEN, getattr(load_config(model_dir), "max_position_embeddings", None) or 1 << 30)
     return make_backend(
-        "vllm", model_dir, tok, dtype=dtype, threads=threads, max_rows=rows, max_model_len=512, seed=seed
+        "vllm", model_dir, tok, dtype=dtype, threads=threads, max_rows=rows, max_model_len=max_len, seed=seed
     )
 
 
@@ -176,6 +183,8 @@ def summarize(combo: Combo, checks: list[dict], trust, author_z: float, seconds:
         "refused": len(refused),
         "false_refusal_rate": len(refused) / len(checks),
         "refusal_reasons": dict(collections.Counter(refused)),
+        "batch_z": signed.tolist(),  # per batch, in order
+        "batch_logprob_dev": dev.tolist(),
         "margin": {  # worst honest value over the threshold: < 1 passes
             "logprob_dev": float(dev.max()) / trust.max_logprob_dev,
             "row_logprob_dev": float(row.max()) / trust.max_row_logprob_dev,
@@ -205,9 +214,16 @@ def table(results: list[dict]) -> str:
 
 
 def _run_model_engine(
-    name: str, model_dir: str, engine: str, published: list[str], args: argparse.Namespace, state: dict
-) -> list[dict]:
-    """Every published dtype through one engine (started once) of one model; results per combination."""
+    name: str,
+    model_dir: str,
+    engine: str,
+    published: list[str],
+    args: argparse.Namespace,
+    state: dict,
+    on_result: Callable[[dict], None],
+) -> None:
+    """Every published dtype through one engine (started once) of one model; ``on_result`` gets each
+    combination's figures as soon as it is done."""
     import random
 
     import torch
@@ -231,7 +247,6 @@ def _run_model_engine(
     seed = args.seed * 1000 + ENGINES.index(engine)  # each engine samples its own tokens
     torch.manual_seed(seed)
     backend = _make_backend(engine, model_dir, tok, spec, args.threads, seed)
-    results = []
     try:
         for dtype in published:
             combo = Combo(name, engine, dtype)
@@ -260,11 +275,10 @@ def _run_model_engine(
                         checks.append({"reason": verdict.reason, **s})
                         bar.update()
             author_z = reputation.typicality_z(author, 0.0, 0.0)
-            results.append(summarize(combo, checks, trust, author_z, time.perf_counter() - t))
+            on_result(summarize(combo, checks, trust, author_z, time.perf_counter() - t))
             del check
     finally:
         backend.close()
-    return results
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -283,6 +297,34 @@ def run_from_args(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     results: list[dict] = []
     skipped: list[dict] = []
+    trust = TrustSettings()
+    thresholds = {
+        "max_logprob_dev": trust.max_logprob_dev,
+        "max_row_logprob_dev": trust.max_row_logprob_dev,
+        "max_typicality_z": trust.max_typicality_z,
+        "max_outside_nucleus": trust.max_outside_nucleus,
+    }
+    rows = PROMPTS_PER_BATCH * GROUP_SIZE
+
+    def save(complete: bool) -> None:  # after every combination: an interrupted run keeps what it measured
+        if args.json:
+            out = {
+                "complete": complete,
+                "thresholds": thresholds,
+                "rows_per_batch": rows,
+                "temperature": TEMPERATURE,
+                "top_p": TOP_P,
+                "models": {m: dataclasses.asdict(MODELS[m]) for m in models},
+                "results": results,
+                "skipped": skipped,
+                "wall_s": time.perf_counter() - t0,
+            }
+            Path(args.json).write_text(json.dumps(out, indent=1))
+
+    def on_result(r: dict) -> None:
+        results.append(r)
+        save(False)
+
     state: dict = {}
     # hf first for every model, vLLM last: its in-process engine changes torch's process-wide settings
     plan = sorted(
@@ -295,21 +337,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         reason = _skip_reason(model_dir, engine)
         if reason is None:
             try:
-                results += _run_model_engine(name, model_dir, engine, published, args, state)
+                _run_model_engine(name, model_dir, engine, published, args, state, on_result)
                 continue
             except BackendUnavailable as e:
                 reason = str(e)
         print(f"skipped {name} {engine}: {reason}")
         skipped += [{"model": name, "engine": engine, "published": d, "reason": reason} for d in published]
-    trust = TrustSettings()
-    thresholds = {
-        "max_logprob_dev": trust.max_logprob_dev,
-        "max_row_logprob_dev": trust.max_row_logprob_dev,
-        "max_typicality_z": trust.max_typicality_z,
-        "max_outside_nucleus": trust.max_outside_nucleus,
-    }
-    wall = time.perf_counter() - t0
-    rows = PROMPTS_PER_BATCH * GROUP_SIZE
+    save(True)
     print(
         f"\nhonest batches of {rows} rows ({PROMPTS_PER_BATCH} prompts × {GROUP_SIZE}), temperature "
         f"{TEMPERATURE}, top-p {TOP_P}, checked as the learner does; thresholds {thresholds}; "
@@ -318,20 +352,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(table(results))
     for s in skipped:
         print(f"skipped: {s['model']} pub={s['published']} {s['engine']}: {s['reason']}")
-    print(f"\n{wall:.0f} s")
-    if args.json:
-        out = {
-            "thresholds": thresholds,
-            "rows_per_batch": rows,
-            "temperature": TEMPERATURE,
-            "top_p": TOP_P,
-            "models": {m: dataclasses.asdict(MODELS[m]) for m in models},
-            "results": results,
-            "skipped": skipped,
-            "wall_s": wall,
-        }
-        Path(args.json).write_text(json.dumps(out, indent=1))
-        print(f"wrote {args.json}")
+    print(f"\n{time.perf_counter() - t0:.0f} s" + (f"; wrote {args.json}" if args.json else ""))
     return 0
 
 
