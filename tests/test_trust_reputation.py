@@ -430,3 +430,9 @@ def test_samplers_starting_together_earn_their_records_without_waiting():
     for i in range(2 * trust.record_batches):  # two samplers' first batches, at once
         assert rep.check_rate(body(), A if i % 2 else B) is None, i
     assert isinstance(rep.check_rate(body(), bytes([9]) * 32), Deferral)  # then the rate
+
+
+def test_without_spot_checks_every_author_has_a_record():
+    # an adapter run is not spot-checked: no author could ever earn a record, so none is needed
+    rep = Reputation(TrustSettings(), buffer_capacity=16, checks=False)
+    assert rep.has_record(A) and rep.check_rate(body(), A) is None

@@ -133,6 +133,7 @@ class Learner:
             buffer_capacity=s.learner.buffer_batches,
             buffered_new=self._held_new,
             on_ban=self._on_ban,
+            checks=s.adapter is None,  # adapter runs are not spot-checked (_make_spot_check)
         )
         self.reputation.load_bans(self.ledger.bans())
         self.replays = ReplayIndex()

@@ -70,7 +70,11 @@ class Reputation:
         on_ban: Callable[[bytes, str], None] = lambda author, reason: None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        checks: bool = True,
     ):
+        """``checks=False``: nothing is spot-checked (an adapter run), so no author can earn a record: every
+        author counts as having one (no probation, no rate limit for new authors)."""
+        self.checks = checks
         self.trust, self.buffer_capacity, self.buffered_new = trust, buffer_capacity, buffered_new
         self.on_ban, self.clock = on_ban, clock
         self.rng = rng or random.SystemRandom()  # unpredictable: a sampler cannot tell which batch is checked
@@ -95,7 +99,7 @@ class Reputation:
 
     def _has_record(self, r: AuthorRecord) -> bool:
         """Enough passed checks, and none owed after a strike."""
-        return r.passed >= self.trust.record_batches and r.dense_left == 0
+        return not self.checks or (r.passed >= self.trust.record_batches and r.dense_left == 0)
 
     @staticmethod
     def _suspicious(r: AuthorRecord) -> bool:
