@@ -283,40 +283,32 @@ def rows_of(seed: int, n: int = 4) -> list[dict]:
     ]
 
 
-def test_replay_of_another_authors_rows_is_refused():
+def test_replay_of_another_authors_batch_is_refused():
     index = ReplayIndex()
-    rows = rows_of(0, 8)  # 4 groups of 2
+    rows = rows_of(0, 8)
     assert index(body(rows=rows), A) is None
     index.add(body(rows=rows), A)
     refused = index(body(rows=rows), B)
     assert refused is not None and "a batch another author sent" in refused
     assert index(body(rows=rows[::-1]), B) is not None  # the same rows in another order
     assert index(body(rows=rows), A) is None  # its own rows again (a retry)
-    fresh = rows_of(1, 8)
-    assert index(body(rows=rows[:3] + fresh[:5]), B) is None  # fewer than half
-    half = index(body(rows=rows[:4] + fresh[:4]), B)
-    assert half is not None and "4 of 8" in half
 
 
-def test_a_few_identical_rows_of_a_peaked_model_are_not_a_replay():
-    # two honest samplers of one engine and version draw the same rows of a near-certain prompt
+def test_rows_another_author_drew_too_are_not_a_replay():
+    # two honest samplers of one engine and version draw bit-identical rows of a near-certain prompt
     index = ReplayIndex()
     rows = rows_of(0, 8)
     index.add(body(rows=rows), A)
-    same = [dict(rows[0], group=0)] * 4 + [dict(rows[1], group=1)] * 4  # 2 distinct rows, all matching
-    assert index(body(rows=same), B) is None
-    one_group = [dict(r, group=0) for r in rows[:4]] + [dict(r, group=1) for r in rows_of(3, 4)]
-    assert index(body(rows=one_group), B) is None  # 4 distinct rows, but from one of its groups only
-    two_groups = [dict(r, group=i % 2) for i, r in enumerate(rows[:4])] + rows_of(4, 4)
-    assert index(body(rows=two_groups), B) is not None
+    assert index(body(rows=rows[:4] + rows_of(1, 4)), B) is None
+    assert index(body(rows=rows[:7]), B) is None
 
 
 def test_replay_index_keeps_the_newest_fingerprints():
-    index = ReplayIndex(capacity=4)
+    index = ReplayIndex(capacity=1)
     old, new = rows_of(0), rows_of(1)
     index.add(body(rows=old), A)
     index.add(body(rows=new), A)
-    assert len(index) == 4
+    assert len(index) == 1
     assert index(body(rows=old), B) is None  # evicted
     assert index(body(rows=new), B) is not None
 
