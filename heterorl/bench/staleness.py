@@ -1,11 +1,17 @@
-"""``heterorl bench staleness``: GEPO's staleness claim at small scale, against the other objectives.
+"""``heterorl bench staleness``: how much of its delay-0 skill each objective keeps on stale data, judged on
+the current policy.
 
-Every objective (GEPO with and without defensive sampling, GRPO, GSPO, CISPO, Dr. GRPO, GMPO) trains the tiny
-model on the arithmetic task with the local loop, sampling from the policy ``delay`` versions old (as the GEPO
-paper simulates network latency), for the same step budget, over several seeds. Written to ``--out``:
-``results.json`` (one entry per run), ``table.md`` (Best, Last, best-to-last gap, mean IS-weight variance per
-objective and delay, mean ± spread over seeds), ``reward_curves.png`` and ``is_var_vs_delay.png``. Runs
-already in ``--out`` are reused, so an interrupted benchmark resumes.
+Every objective trains the tiny model on one-digit sums with the local loop, sampling from the policy
+``delay`` versions old (the GEPO paper's latency setup), for the same number of updates, over several seeds.
+Each run scores its current policy on the task's held-out prompts every ``--eval-every`` updates
+(:mod:`heterorl.peer.learner.evaluate`: for one-digit sums, the exact expected reward over all 100 prompts at
+the run's temperature). ``final_eval`` is the mean of the last evaluations, and "kept" is an objective's
+``final_eval`` at a delay over its own at delay 0. The rollout reward is reported too, labelled as what it is:
+the reward of rollouts from the policy ``delay`` versions old, so it lags the policy by the delay.
+
+Written to ``--out``: ``results.json`` (one entry per run: ``final_eval``, ``eval_curve``, ``reward_curve``,
+...), ``table.md``, ``eval_curves.png``, ``kept_vs_delay.png`` and ``is_var_vs_delay.png``. Runs already in
+``--out`` are reused, so an interrupted benchmark resumes. Runs go ``--workers`` at a time, one thread each.
 """
 
 from __future__ import annotations
@@ -13,82 +19,139 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
 from pathlib import Path
 
-VARIANTS: tuple[tuple[str, bool], ...] = (
-    ("gepo", True),
-    ("gepo", False),
-    ("grpo", False),
-    ("gspo", False),
-    ("cispo", False),
-    ("dr_grpo", False),
-    ("gmpo", False),
-)
-SMOOTH = 10  # Best and Last are means over this many updates
+DEFAULT_OBJECTIVE = "gepo"  # what a run gets without [objective] (heterorl.peer.objectives.DEFAULT_OBJECTIVE)
+# label -> (objective, its params): the default first, then every objective of the zoo
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "gepo": ("gepo", {}),
+    "gepo-nods": ("gepo", {"defensive_sampling": False}),
+    "gepo_plus": ("gepo_plus", {}),
+    "m2po": ("m2po", {}),
+    "vcpo": ("vcpo", {}),
+    "grpo": ("grpo", {}),
+    "dapo": ("dapo", {}),
+    "dr_grpo": ("dr_grpo", {}),
+    "gspo": ("gspo", {}),
+    "gspo_token": ("gspo_token", {}),
+    "cispo": ("cispo", {}),
+    "topr": ("topr", {}),
+    "gmpo": ("gmpo", {}),
+}
+QUICK_VARIANTS = ("gepo", "m2po", "grpo", "gspo", "cispo")
+QUICK = {"delays": [0, 64, 256], "seeds": [0, 1]}
+FINAL_EVALS = 3  # final_eval: mean of this many last evaluations (heterorl.peer.train.one_process)
+LAST_REWARDS = 20  # the lagging rollout reward: mean of the last this many updates
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--delays", type=int, nargs="+", default=[0, 8, 32, 64])
+    ap.add_argument("--delays", type=int, nargs="+", default=[0, 8, 32, 64, 128, 256])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=200, help="updates per run (the same for every objective)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=600,
+        help="updates per run, the same for every objective and delay; 600 lets a delay-256 run train 344 "
+        "updates on data newer than the initial policy",
+    )
     ap.add_argument("--prompts", type=int, default=16, help="prompts per update")
     ap.add_argument("--group-size", type=int, default=8)
-    # at 1e-3, Adam's first steps knock the tiny model back (reward 0.33 -> 0.13) before it learns
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--objectives", nargs="+", default=None, help="subset of gepo gepo-nods grpo gspo ...")
-    ap.add_argument("--quick", action="store_true", help="120 updates of 8 prompts, seeds 0 1 (< 15 min)")
+    ap.add_argument("--lr", type=float, default=5e-4, help="the run default (run.toml's objective.lr)")
+    ap.add_argument("--eval-every", type=int, default=20, help="updates between held-out evaluations")
+    ap.add_argument("--objectives", nargs="+", default=None, help=f"labels, of: {' '.join(VARIANTS)}")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{' '.join(QUICK_VARIANTS)} at delays {QUICK['delays']}, seeds {QUICK['seeds']} "
+        "(< 15 min on 2 cores)",
+    )
+    ap.add_argument("--workers", type=int, default=None, help="runs at a time (default: the CPU count)")
     ap.add_argument("--model", default=None, help="default: the tiny model (built if missing)")
     ap.add_argument("--out", default="runs/bench-staleness")
 
 
-def _label(objective: str, defensive: bool) -> str:
-    return objective if objective != "gepo" else ("gepo" if defensive else "gepo-nods")
+def _run_dir(out: Path, label: str, delay: int, seed: int) -> Path:
+    return out / "runs" / f"{label}-d{delay}-s{seed}"
 
 
-def _run_one(model: str, objective: str, defensive: bool, delay: int, seed: int, args, out: Path) -> dict:
+def _one(job: dict) -> dict:
+    """One run in a worker process (one thread: the workers share the cores); returns its result entry."""
+    import torch
+
+    torch.set_num_threads(1)
+    logging.getLogger("heterorl.peer.train.one_process").setLevel(logging.WARNING)
     from heterorl.peer.train import OneProcessConfig, run_one_process
     from heterorl.protocol.settings import Run, from_overrides
 
-    d = out / "runs" / f"{_label(objective, defensive)}-d{delay}-s{seed}"
+    d = Path(job["dir"])
     done = d / "summary.json"
-    if not done.exists():
-        params = {"defensive_sampling": defensive} if objective == "gepo" else {}
+    summary = json.loads(done.read_text()) if done.exists() else {}
+    if "final_eval" not in summary:  # absent, or written before the benchmark judged the policy
         run = {
-            "model.path": model,
-            "objective.name": objective,
-            "objective.params": params,
-            "objective.lr": args.lr,
-            "learner.prompts_per_update": args.prompts,
-            "learner.group_size": args.group_size,
+            "model.path": job["model"],
+            "objective.name": job["loss"],
+            "objective.params": job["params"],
+            "objective.lr": job["lr"],
+            "learner.prompts_per_update": job["prompts"],
+            "learner.group_size": job["group_size"],
+            "learner.eval_every": job["eval_every"],
         }
-        cfg = OneProcessConfig(from_overrides(Run, run), steps=args.steps, delay=delay, seed=seed)
-        run_one_process(cfg, d, progress=False)
-    summary = json.loads(done.read_text())
+        cfg = OneProcessConfig(
+            from_overrides(Run, run), steps=job["steps"], delay=job["delay"], seed=job["seed"]
+        )
+        summary = run_one_process(cfg, d, progress=False, save_checkpoint=False)
     rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
     return {
-        "objective": objective,
-        "defensive_sampling": defensive,
-        "delay": delay,
-        "seed": seed,
+        "objective": job["label"],
+        "loss": job["loss"],
+        "params": job["params"],
+        "default_objective": DEFAULT_OBJECTIVE,
+        "delay": job["delay"],
+        "seed": job["seed"],
         "steps": summary["steps"],
+        "final_eval": summary["final_eval"],
+        "final_eval_greedy": summary["final_eval_greedy"],
+        "eval_curve": summary["eval_curve"],
         "reward_curve": summary["reward_curve"],
         "is_var_curve": [r.get("is/var") for r in rows],
         "wall_s": summary["wall_s"],
     }
 
 
-def _smooth(xs: list[float], k: int = SMOOTH) -> list[float]:
-    return [statistics.fmean(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))]
-
-
 def figures(run: dict) -> dict[str, float]:
-    curve = _smooth(run["reward_curve"])
-    curve = curve[SMOOTH - 1 :] or curve  # only full windows: a single early sample is not a "best"
+    """final_eval (and greedy), the lagging rollout reward of the last updates, mean IS-weight variance."""
     var = [v for v in run["is_var_curve"] if v is not None]
-    best, last = max(curve), curve[-1]
-    return {"best": best, "last": last, "gap": best - last, "is_var": statistics.fmean(var) if var else 0.0}
+    last = run["reward_curve"][-LAST_REWARDS:]
+    return {
+        "eval": run["final_eval"],
+        "greedy": run.get("final_eval_greedy") or 0.0,
+        "rollout": statistics.fmean(last) if last else 0.0,
+        "is_var": statistics.fmean(var) if var else 0.0,
+    }
+
+
+def _groups(results: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["objective"], r["delay"]), []).append(figures(r))
+    return groups
+
+
+def kept(results: list[dict]) -> dict[tuple[str, int], float]:
+    """(objective, delay) -> mean final_eval over seeds / the same objective's at delay 0."""
+    groups = _groups(results)
+    out = {}
+    for (label, delay), fs in groups.items():
+        base = groups.get((label, 0))
+        if base:
+            b = statistics.fmean(f["eval"] for f in base)
+            out[(label, delay)] = statistics.fmean(f["eval"] for f in fs) / b if b > 0 else float("nan")
+    return out
 
 
 def _cell(xs: list[float], scale: float = 100.0, digits: int = 1) -> str:
@@ -97,24 +160,42 @@ def _cell(xs: list[float], scale: float = 100.0, digits: int = 1) -> str:
     return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
+def _order(label: str) -> int:
+    return list(VARIANTS).index(label) if label in VARIANTS else len(VARIANTS)
+
+
 def table(results: list[dict]) -> str:
-    """Markdown: one row per objective and delay; rewards in percent (mean ± spread over seeds)."""
-    groups: dict[tuple[str, int], list[dict]] = {}
-    for r in results:
-        groups.setdefault((_label(r["objective"], r["defensive_sampling"]), r["delay"]), []).append(
-            figures(r)
-        )
+    """Markdown, one row per objective and delay (mean ± spread over seeds): the current policy's held-out
+    score first, what it keeps of delay 0's, then the lagging rollout reward."""
+    groups, k = _groups(results), kept(results)
     lines = [
-        "| objective | delay | Best (%) | Last (%) | best-to-last gap | mean IS-weight variance | seeds |",
-        "|---|---|---|---|---|---|---|",
+        "| objective | delay | held-out eval, sampled (%) | kept vs delay 0 | held-out eval, greedy (%) | "
+        "rollout reward, last 20 updates (%, lags by the delay) | mean IS-weight variance | seeds |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    order = [_label(o, d) for o, d in VARIANTS]
-    for (label, delay), fs in sorted(groups.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
+    for (label, delay), fs in sorted(groups.items(), key=lambda kv: (kv[0][1], _order(kv[0][0]))):
+        share = k.get((label, delay))
         lines.append(
-            f"| {label} | {delay} | {_cell([f['best'] for f in fs])} | {_cell([f['last'] for f in fs])} | "
-            f"{_cell([f['gap'] for f in fs])} | {_cell([f['is_var'] for f in fs], 1.0, 4)} | {len(fs)} |"
+            f"| {label} | {delay} | {_cell([f['eval'] for f in fs])} | "
+            f"{'-' if share is None else f'{share:.1%}'} | {_cell([f['greedy'] for f in fs])} | "
+            f"{_cell([f['rollout'] for f in fs])} | {_cell([f['is_var'] for f in fs], 1.0, 4)} | {len(fs)} |"
         )
     return "\n".join(lines)
+
+
+def verdict(results: list[dict]) -> str:
+    """One line: what the default keeps at the largest delay, against the best objective there."""
+    k = kept(results)
+    top = max((d for _, d in k), default=0)
+    at = {label: v for (label, d), v in k.items() if d == top}
+    if not at or top == 0:
+        return "no delayed runs with a delay-0 baseline"
+    best = max(at, key=at.get)
+    mine = at.get(DEFAULT_OBJECTIVE)
+    return (
+        f"held-out eval kept at delay {top}: default {DEFAULT_OBJECTIVE} "
+        f"{'-' if mine is None else f'{mine:.1%}'}, best {best} {at[best]:.1%}"
+    )
 
 
 def plots(results: list[dict], out: Path) -> list[Path]:
@@ -124,51 +205,49 @@ def plots(results: list[dict], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     delays = sorted({r["delay"] for r in results})
-    labels = [
-        _label(o, d)
-        for o, d in VARIANTS
-        if any(_label(r["objective"], r["defensive_sampling"]) == _label(o, d) for r in results)
-    ]
-    fig, axes = plt.subplots(1, len(delays), figsize=(4.5 * len(delays), 3.6), sharey=True, squeeze=False)
+    labels = sorted({r["objective"] for r in results}, key=_order)
+    fig, axes = plt.subplots(1, len(delays), figsize=(4.2 * len(delays), 3.6), sharey=True, squeeze=False)
     for ax, delay in zip(axes[0], delays, strict=True):
         for label in labels:
-            runs = [
-                r
-                for r in results
-                if r["delay"] == delay and _label(r["objective"], r["defensive_sampling"]) == label
-            ]
+            runs = [r for r in results if r["delay"] == delay and r["objective"] == label and r["eval_curve"]]
             if not runs:
                 continue
-            n = min(len(r["reward_curve"]) for r in runs)
-            mean = [statistics.fmean(r["reward_curve"][i] for r in runs) for i in range(n)]
-            ax.plot(_smooth(mean), label=label, lw=1.6 if label.startswith("gepo") else 1.0)
+            n = min(len(r["eval_curve"]) for r in runs)
+            xs = [runs[0]["eval_curve"][i][0] for i in range(n)]
+            ys = [statistics.fmean(r["eval_curve"][i][1] for r in runs) for i in range(n)]
+            ax.plot(xs, ys, label=label, lw=1.8 if label == DEFAULT_OBJECTIVE else 1.0)
         ax.set_title(f"delay {delay}")
         ax.set_xlabel("update")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"mean reward ({SMOOTH}-update average)")
-    axes[0][-1].legend(fontsize=8)
+    axes[0][0].set_ylabel("held-out expected reward (current policy)")
+    axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    p1 = out / "reward_curves.png"
+    p1 = out / "eval_curves.png"
     fig.savefig(p1, dpi=110)
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+
+    k = kept(results)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
     for label in labels:
+        ds = [d for d in delays if (label, d) in k]
+        ax.plot(ds, [k[(label, d)] for d in ds], marker="o", label=label, lw=1.8 if label == "gepo" else 1.0)
         ys = []
         for delay in delays:
-            fs = [
-                figures(r)
-                for r in results
-                if r["delay"] == delay and _label(r["objective"], r["defensive_sampling"]) == label
-            ]
+            fs = [figures(r) for r in results if r["delay"] == delay and r["objective"] == label]
             ys.append(statistics.fmean(f["is_var"] for f in fs) if fs else float("nan"))
-        ax.plot(delays, ys, marker="o", label=label)
+        ax2.plot(delays, ys, marker="o", label=label)
     ax.set_xlabel("delay (policy versions)")
-    ax.set_ylabel("mean IS-weight variance")
-    ax.set_yscale("symlog", linthresh=1e-3)
+    ax.set_ylabel("held-out eval kept vs delay 0")
+    ax.set_xscale("symlog", linthresh=8)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
+    ax2.set_xlabel("delay (policy versions)")
+    ax2.set_ylabel("mean IS-weight variance")
+    ax2.set_xscale("symlog", linthresh=8)
+    ax2.set_yscale("symlog", linthresh=1e-3)
+    ax2.grid(alpha=0.3)
     fig.tight_layout()
-    p2 = out / "is_var_vs_delay.png"
+    p2 = out / "kept_vs_delay.png"
     fig.savefig(p2, dpi=110)
     plt.close(fig)
     return [p1, p2]
@@ -179,30 +258,62 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     from heterorl.peer.model import TINY_MODEL_DIR, ensure_model
 
+    labels = list(args.objectives or (QUICK_VARIANTS if args.quick else VARIANTS))
     if args.quick:
-        args.steps, args.prompts, args.seeds = 120, 8, [0, 1]
-    logging.getLogger("heterorl.peer.train.one_process").setLevel(logging.WARNING)
-    variants = [v for v in VARIANTS if args.objectives is None or _label(*v) in args.objectives]
-    if not variants:
-        print(f"error: none of {args.objectives} is one of {[_label(*v) for v in VARIANTS]}")
+        args.delays, args.seeds = QUICK["delays"], QUICK["seeds"]
+    unknown = [label for label in labels if label not in VARIANTS]
+    if unknown:
+        print(f"error: {unknown} not among {list(VARIANTS)}")
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = ensure_model(args.model or TINY_MODEL_DIR, 0)
-    grid = [(o, d, delay, seed) for delay in args.delays for seed in args.seeds for o, d in variants]
-    results, t0 = [], time.perf_counter()
-    for o, d, delay, seed in tqdm(grid, desc="staleness runs", unit="run"):
-        results.append(_run_one(model, o, d, delay, seed, args, out))
-    (out / "results.json").write_text(json.dumps(results))
-    md = table(results)
+    model = str(ensure_model(args.model or TINY_MODEL_DIR, 0))
+    jobs = [
+        {
+            "label": label,
+            "loss": VARIANTS[label][0],
+            "params": VARIANTS[label][1],
+            "delay": delay,
+            "seed": seed,
+            "dir": str(_run_dir(out, label, delay, seed)),
+            "model": model,
+            "steps": args.steps,
+            "prompts": args.prompts,
+            "group_size": args.group_size,
+            "lr": args.lr,
+            "eval_every": args.eval_every,
+        }
+        for seed in args.seeds
+        for delay in sorted(args.delays, reverse=True)  # the long-delay runs first: the slowest to snapshot
+        for label in labels
+    ]
+    workers = max(1, min(args.workers or os.cpu_count() or 1, len(jobs)))
+    print(
+        f"{len(jobs)} runs ({len(labels)} objectives × delays {sorted(args.delays)} × seeds {args.seeds}), "
+        f"{args.steps} updates each, {workers} at a time"
+    )
+    t0 = time.perf_counter()
+    results = []
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(_one, job) for job in jobs]
+        for f in tqdm(as_completed(futures), total=len(futures), desc="staleness runs", unit="run"):
+            results.append(f.result())
+    results.sort(key=lambda r: (r["delay"], _order(r["objective"]), r["seed"]))
+    (out / "results.json").write_text(json.dumps({"default_objective": DEFAULT_OBJECTIVE, "runs": results}))
     header = (
         f"{len(results)} runs: {args.steps} updates of {args.prompts} prompts × {args.group_size}, "
-        f"lr {args.lr}, seeds {args.seeds}, tiny model, arithmetic; Best/Last = {SMOOTH}-update mean reward "
-        f"at its best / at the end, in percent (mean ± spread over seeds)."
+        f"lr {args.lr}, "
+        f"seeds {args.seeds}, tiny model, one-digit sums. Held-out eval: the current policy's exact expected "
+        f"reward over all 100 prompts at temperature 1, mean of its last {FINAL_EVALS} evaluations (every "
+        f"{args.eval_every} updates), in percent (mean ± spread over seeds); kept = mean over seeds / the "
+        f"same "
+        f"objective's at delay 0."
     )
-    (out / "table.md").write_text(header + "\n\n" + md + "\n")
+    md = table(results)
+    line = verdict(results)
+    (out / "table.md").write_text(header + "\n\n" + md + "\n\n" + line + "\n")
     written = plots(results, out)
-    print(header + "\n\n" + md)
+    print(header + "\n\n" + md + "\n\n" + line)
     print(
         f"\n{time.perf_counter() - t0:.0f} s; wrote {out / 'results.json'}, {out / 'table.md'}, "
         + ", ".join(map(str, written))

@@ -41,6 +41,7 @@ from heterorl.protocol.wire.staleness import STALENESS_BUCKETS, staleness_bucket
 
 from ..learner.assembler import Assembled, BatchAssembler
 from ..learner.buffer import Buffered, TrajectoryBuffer, staleness_refusal
+from ..learner.evaluate import HeldOutEval
 from ..learner.intake import Admission, RewardCheck
 from ..learner.replay import ReplayIndex
 from ..learner.reputation import Reputation
@@ -49,6 +50,7 @@ from ..learner.trainer import Trainer
 from ..learner.update import StepOptions
 from ..model import adapter, load_model
 from ..model.prompts import PromptFormat
+from ..rollout import SamplingParams
 from .announcer import Announcer
 from .heartbeat import Status
 from .publisher import Publisher
@@ -124,6 +126,8 @@ class Learner:
         self.reward_check = RewardCheck(
             runtime.task(), self.tok, prompts=PromptFormat(self.tok, s.model.chat)
         )
+        self.evaluate = self._held_out_eval(runtime)
+        self.last_eval: dict[str, float] = {}
         # batches of authors without a record yet: accepted (in the ledger), held out of training until the
         # author has one, dropped if it is banned first
         self.probation: collections.defaultdict[bytes, list[Buffered]] = collections.defaultdict(list)
@@ -361,6 +365,47 @@ class Learner:
             self._due = False
         self.blocked_s += time.perf_counter() - t
 
+    # ---- held-out evaluation (the main thread, between updates) ----
+
+    def _held_out_eval(self, runtime: PeerRuntime) -> HeldOutEval | None:
+        s = self.settings
+        if not s.learner.eval_every:
+            return None
+        sampling = SamplingParams(s.sampling.temperature, s.sampling.top_p, s.sampling.max_new_tokens)
+        try:
+            ev = HeldOutEval(
+                runtime.task(),
+                PromptFormat(self.tok, s.model.chat),
+                self.tok,
+                sampling,
+                s.learner.eval_samples,
+                s.learner.eval_prompts,
+            )
+        except ValueError as e:
+            log.warning("no held-out evaluation: %s", e)
+            return None
+        log.info("held-out evaluation every %d updates: %s", s.learner.eval_every, ev.describe())
+        return ev
+
+    def evaluate_now(self) -> dict[str, float]:
+        """Score the current policy on the held-out prompts if an evaluation is due (every ``eval_every``
+        updates); it goes into the metrics row and every heartbeat until the next one."""
+        every = self.settings.learner.eval_every
+        if self.evaluate is None or self.step == 0 or self.step % every != 0:
+            return {}
+        t = time.perf_counter()
+        self.status.state = f"evaluating (step {self.step})"
+        self.last_eval = {**self.evaluate(self.trainer.model), "eval/step": float(self.step)}
+        self.train_s += time.perf_counter() - t
+        log.info(
+            "held-out eval at step %d: sampled %.3f, greedy %.3f (%.1f s)",
+            self.step,
+            self.last_eval["eval/sampled"],
+            self.last_eval["eval/greedy"],
+            self.last_eval["eval/time_s"],
+        )
+        return self.last_eval
+
     # ---- training (the main thread) ----
 
     def train(self, got: Assembled) -> None:
@@ -404,6 +449,7 @@ class Learner:
             **self.publisher.stats(),
             **self.trust_stats(),
             **stats,
+            **self.evaluate_now(),
         }
         self.rt.append_jsonl("metrics.jsonl", row)
 
@@ -446,6 +492,9 @@ class Learner:
         }
         stats.update({k: self.last[k] for k in SHOWN_STATS if k in self.last})
         stats.update(self.trust_stats())
+        stats.update(
+            {k: v for k, v in self.last_eval.items() if k in ("eval/step", "eval/sampled", "eval/greedy")}
+        )
         for who, n in recv.strikes.most_common(MAX_SHOWN_STRIKES):
             stats[f"rej:{who[:27]}"] = n
         st.stats = stats
@@ -481,6 +530,7 @@ class Learner:
             "trained_rows": {a.hex(): n for a, n in self.trained_rows.items()},
             "train_s": self.train_s,
             "wait_s": self.wait_s,
+            "eval": self.last_eval,
             **self.trust_stats(),
         }
         self.rt.write_final_stats(final)

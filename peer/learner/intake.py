@@ -93,12 +93,13 @@ class RewardCheck:
         self._lock = threading.Lock()  # called from the intake pool's threads
 
     def rescore(self, body: dict) -> list[float | None]:
-        """The learner's reward for each row, or None where the prompt is not one of this task's."""
+        """The learner's reward for each row, or None where the prompt is not one of this task's training
+        prompts (a held-out prompt is kept for evaluation: training on it would inflate the score)."""
         out: list[float | None] = []
         for row in body["rows"]:
             prompt = self.prompts.decode(row["prompt_ids"])
             reference = None if prompt is None else self.task.reference_for(prompt)
-            if reference is None:
+            if reference is None or self.task.is_held_out(prompt):  # held-out prompts are not for training
                 out.append(None)
                 continue
             out.append(
@@ -122,7 +123,10 @@ class RewardCheck:
             if foreign or wrong:
                 self.by_author[author] += 1
         if foreign:
-            return f"{foreign} of {len(rewards)} prompts are not from this run's task"
+            return (
+                f"{foreign} of {len(rewards)} prompts are not from this run's task (or are held out for "
+                "evaluation)"
+            )
         if wrong:
             return (
                 f"claimed rewards disagree with the learner's recomputation in {wrong} of {len(rewards)} rows"

@@ -13,7 +13,7 @@ import re
 
 from ._params import check_int, check_str
 from .answers import gsm8k
-from .base import Example, RewardFn, Task
+from .base import ENUMERATE_MAX, Example, RewardFn, Task
 
 ALLOWED_OPS = "+-*"
 STYLES = ("bare", "question")
@@ -79,14 +79,41 @@ class ArithmeticTask(Task):
             raise ValueError(f"{self.name}: ops must be a subset of {ALLOWED_OPS!r}, got {ops!r}")
         self.ops = "".join(dict.fromkeys(ops))
 
-    def sample(self, rng: random.Random) -> Example:
+    def draw(self, rng: random.Random) -> Example:
         hi = 10**self.digits - 1
         a, b = rng.randint(0, hi), rng.randint(0, hi)
         op = rng.choice(self.ops)
         if op == "-" and a < b:
             a, b = b, a
+        return self._example(a, op, b)
+
+    def _example(self, a: int, op: str, b: int) -> Example:
         value = a + b if op == "+" else a - b if op == "-" else a * b
         return Example(prompt=self._prompt(a, op, b), reference=str(value), solution=str(value))
+
+    def all_examples(self) -> list[Example] | None:
+        n = 10**self.digits
+        size = sum(n * (n + 1) // 2 if op == "-" else n * n for op in self.ops)
+        if size > ENUMERATE_MAX:
+            return None
+        return [
+            self._example(a, op, b)
+            for op in self.ops
+            for a in range(n)
+            for b in range(n)
+            if op != "-" or a >= b
+        ]
+
+    def rewarded_completions(self, example: Example, max_chars: int) -> list[str] | None:
+        """With the exact-match reward: the answer with any spaces around it (what ``strip`` forgives)."""
+        if self.reward_fn is not arithmetic_exact:
+            return None
+        room = max_chars - len(example.solution)
+        return [
+            " " * left + example.solution + " " * right
+            for left in range(max(room, -1) + 1)
+            for right in range(room - left + 1)
+        ]
 
     def _prompt(self, a: int, op: str, b: int) -> str:
         if self.style == "question":

@@ -80,7 +80,7 @@ class CountdownTask(Task):
         self.division = check_bool(self.name, "division", division)
         self.ops = "+-*/" if self.division else "+-*"
 
-    def sample(self, rng: random.Random) -> Example:
+    def draw(self, rng: random.Random) -> Example:
         numbers = [rng.randint(1, self.max_number) for _ in range(self.n_numbers)]
         value, text = self._random_expression(numbers, rng)
         assert len(text) <= MAX_EXPR_LEN, text  # guaranteed by the parameter bounds

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ._params import check_str
 from .answers import extract_answer, gsm8k
-from .base import Example, RewardFn, Task
+from .base import ENUMERATE_MAX, HELD_OUT_MAX, Example, RewardFn, Task, in_held_out_split
 
 
 class JsonlTask(Task):
@@ -84,8 +84,18 @@ class JsonlTask(Task):
         prompt = self.prompt_template.format(question=question)
         return Example(prompt=prompt, reference=reference, solution=answer)
 
-    def sample(self, rng: random.Random) -> Example:
+    def draw(self, rng: random.Random) -> Example:
         return self.examples[rng.randrange(len(self.examples))]
+
+    def all_examples(self) -> list[Example] | None:
+        return list(self.examples) if len(self.examples) <= ENUMERATE_MAX else None
+
+    def held_out(self) -> list[Example]:
+        """The records of the held-out split, in file order (up to HELD_OUT_MAX)."""
+        listed = self.all_examples()
+        if listed is not None:
+            return listed
+        return [ex for ex in self.examples if in_held_out_split(ex.prompt)][:HELD_OUT_MAX]
 
     def reference_for(self, prompt: str) -> str | None:
         if not hasattr(self, "_by_prompt"):

@@ -18,6 +18,7 @@ from heterorl.protocol.storage.files import atomic_write_json
 from heterorl.protocol.wire.checkpoint import serialize_state_dict
 
 from .. import objectives
+from ..learner.evaluate import HeldOutEval
 from ..learner.rows import Rows
 from ..learner.trainer import Trainer
 from ..learner.update import StepOptions
@@ -28,6 +29,8 @@ from ..tasks import get_task, named_reward
 from .policy_lag import PolicyLag
 
 log = logging.getLogger(__name__)
+
+FINAL_EVALS = 3  # ``final_eval`` is the mean of the last this many evaluations of the current policy
 
 
 @dataclass(frozen=True)
@@ -107,9 +110,26 @@ def run_one_process(
     )
     trainable = [p for p in policy.parameters() if p.requires_grad]
 
+    every = run.learner.eval_every
+    evaluate = None
+    if every:
+        evaluate = HeldOutEval(
+            task, prompts_fmt, tok, sampling, run.learner.eval_samples, run.learner.eval_prompts
+        )
+        log.info("held-out evaluation every %d updates: %s", every, evaluate.describe())
+    eval_curve: list[list[float]] = []  # [update, sampled, greedy]
+
+    def evaluated(updates: int) -> dict[str, float]:
+        if evaluate is None or not (updates % every == 0 or updates == cfg.steps):
+            return {}
+        e = evaluate(policy)
+        eval_curve.append([updates, e["eval/sampled"], e["eval/greedy"]])
+        return {**e, "eval/step": float(updates)}
+
     reward_curve: list[float] = []
     if on_update is not None:
         on_update(-1, policy, {})
+    first_eval = evaluated(0)
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc=f"{run.objective.name} delay={cfg.delay}", disable=not progress)
     with (out / "metrics.jsonl").open("w") as metrics:
@@ -153,9 +173,15 @@ def run_one_process(
                 "time_s": time.perf_counter() - t0,
                 **stats,
                 "staleness": lag.version - 1 - version,
+                **first_eval,
+                **evaluated(step + 1),
             }
+            first_eval = {}
             metrics.write(json.dumps(row) + "\n")
-            bar.set_postfix(reward=f"{mean_r:.2f}", stale=row["staleness"], ess=f"{stats['is/ess']:.2f}")
+            held = {"eval": f"{eval_curve[-1][1]:.2f}"} if eval_curve else {}
+            bar.set_postfix(
+                reward=f"{mean_r:.2f}", **held, stale=row["staleness"], ess=f"{stats['is/ess']:.2f}"
+            )
     backend.close()
 
     if save_checkpoint:
@@ -172,6 +198,18 @@ def run_one_process(
         "reward_curve": reward_curve,
         "reward_first20": sum(reward_curve[:k]) / k,
         "reward_last20": sum(reward_curve[-k:]) / k,
+        # the current policy on held-out prompts: [update, sampled, greedy] and the last evaluations' mean
+        "eval_curve": eval_curve,
+        "final_eval": (
+            sum(e[1] for e in eval_curve[-FINAL_EVALS:]) / len(eval_curve[-FINAL_EVALS:])
+            if eval_curve
+            else None
+        ),
+        "final_eval_greedy": (
+            sum(e[2] for e in eval_curve[-FINAL_EVALS:]) / len(eval_curve[-FINAL_EVALS:])
+            if eval_curve
+            else None
+        ),
         "wall_s": time.perf_counter() - t0,
         "checkpoint_bytes": checkpoint_bytes,  # one published version (float32): adapters or all weights
         "trainable_params": sum(p.numel() for p in trainable),
@@ -179,9 +217,10 @@ def run_one_process(
     }
     atomic_write_json(out / "summary.json", summary, indent=1)
     log.info(
-        "done: reward first-20 %.3f -> last-20 %.3f in %.0f s; wrote %s",
+        "done: reward first-20 %.3f -> last-20 %.3f, held-out %s, in %.0f s; wrote %s",
         summary["reward_first20"],
         summary["reward_last20"],
+        "-" if summary["final_eval"] is None else f"{summary['final_eval']:.3f}",
         summary["wall_s"],
         out,
     )

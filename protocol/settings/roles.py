@@ -43,6 +43,15 @@ class LearnerSettings:
         "the background; a restart resumes from the last save, replays the batches applied since and goes on "
         "numbering versions after the newest published (0: save with every published version)",
     )
+    eval_every: int = setting(
+        25,
+        "score the current policy on the task's held-out prompts every K updates, sampled at the run's "
+        "temperature and greedy (0: never); into metrics and the heartbeat, so the dashboard plots it",
+    )
+    eval_samples: int = setting(
+        4, "draws per held-out prompt where the expected reward is not computed exactly"
+    )
+    eval_prompts: int = setting(200, "held-out prompts scored at most")
     deltas: int = setting(
         4,
         "offer each version also as sparse lossless deltas (protocol/wire/delta.py) against each of this "
@@ -54,6 +63,9 @@ class LearnerSettings:
             check_int(f"learner.{name}", getattr(self, name), 1)
         check_int("learner.max_staleness", self.max_staleness, -1)
         check_int("learner.deltas", self.deltas, 0, 8)
+        check_int("learner.eval_every", self.eval_every, 0)
+        check_int("learner.eval_samples", self.eval_samples, 1, 64)
+        check_int("learner.eval_prompts", self.eval_prompts, 1, 10_000)
         check_number("learner.save_every_s", self.save_every_s, 0, low_included=True)
         check_number("learner.grad_clip", self.grad_clip, 0)
         if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
