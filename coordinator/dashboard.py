@@ -221,6 +221,13 @@ def _list(x: object) -> list:
     return x if isinstance(x, list) else []
 
 
+def _last(curve: object, i: int) -> object:
+    """Field ``i`` of a curve's last point (``[x, y, ...]``), or None."""
+    points = _list(curve)
+    last = points[-1] if points else None
+    return last[i] if isinstance(last, list) and len(last) > i else None
+
+
 def _checkpoint_version(view: dict, learner: dict) -> object:
     for v in (learner.get("version"), view.get("latest_version")):
         if _number(v) is not None:
@@ -238,8 +245,9 @@ def prometheus_text(view: dict) -> str:
     for p in peers:
         role = str(p.get("role", "unknown"))
         alive[role] = alive.get(role, 0) + bool(p.get("alive"))
-    reward = _list(learner.get("reward_curve"))
-    last_reward = reward[-1][1] if reward and isinstance(reward[-1], list) and len(reward[-1]) > 1 else None
+    last_reward = _last(learner.get("reward_curve"), 1)
+    last_sampled = _last(learner.get("eval_curve"), 1)
+    last_greedy = _last(learner.get("eval_curve"), 2)
 
     out = _Exposition()
     out.metric(
@@ -251,6 +259,19 @@ def prometheus_text(view: dict) -> str:
     out.metric("heterorl_learner_step", "gauge", "Learner optimizer step.", [({}, learner.get("step"))])
     out.metric(
         "heterorl_learner_reward", "gauge", "Mean reward of the latest learner update.", [({}, last_reward)]
+    )
+    out.metric(
+        "heterorl_learner_eval_sampled",
+        "gauge",
+        "Expected reward of the learner's policy on held-out prompts, sampled at the run's temperature "
+        "(latest evaluation).",
+        [({}, last_sampled)],
+    )
+    out.metric(
+        "heterorl_learner_eval_greedy",
+        "gauge",
+        "Expected reward of the learner's policy on held-out prompts, greedy decoding (latest evaluation).",
+        [({}, last_greedy)],
     )
     out.metric(
         "heterorl_batches_accepted_total",

@@ -35,6 +35,8 @@ class SwarmView:
         self.reward_curve: list[list[float]] = []
         self.ess_curve: list[list[float]] = []
         self.is_var_curve: list[list[float]] = []
+        # held-out evaluations of the learner's policy: [step, sampled, greedy] (None where not reported)
+        self.eval_curve: list[list[float | None]] = []
         self.throughput: dict[str, collections.deque] = {}
         self.checkpoints: dict[int, dict] = {}
         self.checkpoint_versions: list[list[float]] = []
@@ -55,6 +57,7 @@ class SwarmView:
         self.reward_curve = d.get("reward_curve", [])
         self.ess_curve = d.get("ess_curve", [])
         self.is_var_curve = d.get("is_var_curve", [])
+        self.eval_curve = d.get("eval_curve", [])  # views saved before evaluations existed lack it
         self.throughput = {
             k: collections.deque(v, MAX_THROUGHPUT_POINTS) for k, v in d.get("throughput", {}).items()
         }
@@ -70,6 +73,7 @@ class SwarmView:
             "reward_curve": self.reward_curve,
             "ess_curve": self.ess_curve,
             "is_var_curve": self.is_var_curve,
+            "eval_curve": self.eval_curve,
             "throughput": {k: list(v) for k, v in self.throughput.items()},
             "checkpoints": self.checkpoints,
             "checkpoint_versions": self.checkpoint_versions,
@@ -132,6 +136,7 @@ class SwarmView:
 
     def _learner(self, key: str, stats: dict, bans: list[dict]) -> None:
         step = int(stats.get("step", 0))
+        self._eval(step, stats)
         if self.reward_curve and step <= self.reward_curve[-1][0]:
             if step < self.reward_curve[-1][0]:  # a learner that restarted from an older save
                 self.reward_curve = [p for p in self.reward_curve if p[0] < step]
@@ -155,6 +160,25 @@ class SwarmView:
             "bans": {b["author"].hex(): b["reason"] for b in bans},
             "checked": int(stats.get("trust/checked", 0)),
         }
+
+    def _eval(self, step: int, stats: dict) -> None:
+        """Fold the learner's latest held-out evaluation (``eval/step``, ``eval/sampled``, ``eval/greedy``,
+        repeated in every heartbeat until the next one) into ``eval_curve``: one point per evaluation."""
+        prev = self.learner.get("step")
+        if self.eval_curve and isinstance(prev, int) and step < prev:
+            # a learner that restarted from an older save: evaluations past it are of a policy now gone
+            self.eval_curve = [p for p in self.eval_curve if p[0] <= step]
+        if "eval/step" not in stats:
+            return
+        at = int(stats["eval/step"])
+        sampled, greedy = stats.get("eval/sampled"), stats.get("eval/greedy")
+        if sampled is None and greedy is None:
+            return
+        if self.eval_curve and at <= self.eval_curve[-1][0]:
+            if at == self.eval_curve[-1][0]:
+                return  # the same evaluation, repeated by a later heartbeat
+            self.eval_curve = [p for p in self.eval_curve if p[0] < at]  # restarted from an older save
+        self.eval_curve = [*self.eval_curve, [at, sampled, greedy]][-MAX_POINTS:]
 
     # ---- what the dashboard, /metrics and `heterorl status` show ----
 
@@ -213,6 +237,7 @@ class SwarmView:
                 "reward_curve": self.reward_curve,
                 "ess_curve": self.ess_curve,
                 "is_var_curve": self.is_var_curve,
+                "eval_curve": self.eval_curve,
                 "rejected_by_author": by_author,
             },
             "throughput": {k: list(v) for k, v in self.throughput.items()},

@@ -1,4 +1,5 @@
-"""The coordinator dashboard: HTTP routes, Prometheus text, and the page in a real headless Chromium."""
+"""The coordinator dashboard: the view's eval curve, HTTP routes, Prometheus text, and the page in a real
+headless Chromium."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from collections import Counter
 import pytest
 from chromium import find_chromium, headless, read_png
 
+from heterorl.coordinator import view as view_module
 from heterorl.coordinator.dashboard import DashboardServer, prometheus_text
+from heterorl.coordinator.view import SwarmView
+from heterorl.protocol.net.node import Record
+from heterorl.protocol.wire.messages import pack_stats
 
-PLOTS = ("plot-reward", "plot-staleness", "plot-is", "plot-throughput", "plot-checkpoints")
+PLOTS = ("plot-reward", "plot-eval", "plot-staleness", "plot-is", "plot-throughput", "plot-checkpoints")
 REWARD_RGB = (0x09, 0x69, 0xDA)  # PALETTE[0] in dashboard.html, the reward line
 
 
@@ -72,6 +77,11 @@ def realistic_view(now: float | None = None) -> dict:
             "reward_curve": [[s, 0.1 + 0.6 * (1 - math.exp(-s / 12)) + 0.03 * math.sin(s)] for s in steps],
             "ess_curve": [[s, 0.95 - 0.2 * math.exp(-s / 8)] for s in steps],
             "is_var_curve": [[s, 0.02 + 0.01 * math.cos(s / 3)] for s in steps],
+            # a held-out evaluation every 6 updates: [step, sampled, greedy]
+            "eval_curve": [
+                [s, 0.15 + 0.6 * (1 - math.exp(-s / 10)), 0.2 + 0.65 * (1 - math.exp(-s / 9))]
+                for s in range(0, 37, 6)
+            ],
             "staleness_hist": {"0": 61, "1": 40, "2-3": 25, "4-7": 10, "8-15": 3, "16+": 1},
             "rejected_by_author": {"ef56ab78": 3, "99ff00ee": 1},
         },
@@ -80,6 +90,24 @@ def realistic_view(now: float | None = None) -> dict:
             "cd34ef56": [[now - 60 + 2 * i, 60 + 5 * math.cos(i / 5)] for i in range(30)],
         },
         "checkpoint_versions": [[now - 90 + 10 * v, v] for v in range(10)],
+    }
+
+
+def edge_view(now: float) -> dict:
+    """The start of a run: one checkpoint (version 0), one update, one evaluation, a sampler at 0 tokens/s."""
+    return {
+        "run_id": "edge",
+        "now": now,
+        "peers": [],
+        "latest_version": 0,
+        "learner": {
+            "step": 1,
+            "reward_curve": [[1, 0.0]],
+            "eval_curve": [[0, 0.0, 0.0]],
+            "staleness_hist": {"0": 1},
+        },
+        "throughput": {"ab12cd34": [[now - 4, 0.0], [now - 2, 0.0], [now, 0.0]]},
+        "checkpoint_versions": [[now, 0]],
     }
 
 
@@ -129,6 +157,109 @@ def dashboard():
     server.stop()
 
 
+# ---- the swarm view's held-out evaluation curve ----
+
+LEARNER_KEY = bytes(range(32))
+
+
+class Learner:
+    """Heartbeats of one learner, as verified DHT records, each newer than the last."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def heartbeat(self, step: int, reward: float | None = None, ev: tuple | None = None) -> Record:
+        """A heartbeat at learner ``step``; ``ev`` is (eval/step, eval/sampled, eval/greedy), None to omit."""
+        self.t += 1.0
+        stats: dict[str, float | None] = {"step": step, "accepted": step}
+        if reward is not None:
+            stats["reward/mean"] = reward
+        if ev is not None:
+            stats.update(zip(("eval/step", "eval/sampled", "eval/greedy"), ev, strict=True))
+        body = {
+            "run_id": "demo",
+            "role": "learner",
+            "state": "training",
+            "policy_version": step,
+            "tokens_per_s": 100.0,
+            "timestamp": self.t,
+            "peer_id": "12D3KooWlearner",
+            "maddrs": [],
+            "hardware": "H200 x1",
+            "stats": pack_stats(stats),
+        }
+        return Record(LEARNER_KEY, "Heartbeat", body, b"", self.t + 60)
+
+
+def feed(view: SwarmView, *records: Record) -> None:
+    for r in records:
+        view.apply([r], [], now=r.body["timestamp"])
+
+
+@pytest.mark.fast
+def test_view_eval_points_are_appended_once_per_evaluation():
+    view, lr = SwarmView("demo"), Learner()
+    feed(view, lr.heartbeat(5, 0.1))  # no evaluation yet
+    assert view.eval_curve == []
+    feed(view, lr.heartbeat(10, 0.2, (10, 0.3, 0.4)))
+    for step in (11, 12, 13):  # the same evaluation, repeated in every heartbeat until the next
+        feed(view, lr.heartbeat(step, 0.25, (10, 0.3, 0.4)))
+    feed(view, lr.heartbeat(13, None, (10, 0.3, 0.4)))  # a heartbeat that repeats the step and the evaluation
+    assert view.eval_curve == [[10, 0.3, 0.4]]
+    # an evaluation reported at the step of the last reward point (a heartbeat the reward curve skips) counts
+    feed(view, lr.heartbeat(13, 0.25, (13, 0.5, 0.6)))
+    feed(view, lr.heartbeat(20, 0.3, (20, 0.55, None)))  # no greedy figure: kept as None
+    feed(view, lr.heartbeat(21, 0.3, (21, None, None)))  # no figure at all: no point
+    assert view.eval_curve == [[10, 0.3, 0.4], [13, 0.5, 0.6], [20, 0.55, None]]
+    assert [p[0] for p in view.reward_curve] == [5, 10, 11, 12, 13, 20, 21]
+    snap = view.snapshot()
+    assert snap["learner"]["eval_curve"] == view.eval_curve
+    m = parse_metrics(prometheus_text(snap))
+    assert sample(m, "heterorl_learner_eval_sampled") == 0.55
+    assert ("heterorl_learner_eval_greedy", frozenset()) not in m  # the latest evaluation had none
+
+
+@pytest.mark.fast
+def test_view_eval_curve_is_truncated_when_the_learner_restarts_from_an_older_save():
+    view, lr = SwarmView("demo"), Learner()
+    for s in (10, 20, 30):
+        feed(view, lr.heartbeat(s, 0.1 * s / 10, (s, s / 100, s / 50)))
+    feed(view, lr.heartbeat(34, 0.35, (30, 0.3, 0.6)))
+    # restarted from the step-20 save, no evaluation yet: the evaluations past 20 are of a policy now gone
+    feed(view, lr.heartbeat(20, 0.2))
+    assert view.eval_curve == [[10, 0.1, 0.2], [20, 0.2, 0.4]]
+    assert [p[0] for p in view.reward_curve] == [10, 20]
+    feed(view, lr.heartbeat(25, 0.25, (25, 0.27, 0.5)))
+    assert view.eval_curve == [[10, 0.1, 0.2], [20, 0.2, 0.4], [25, 0.27, 0.5]]
+    # a view that missed the restart (e.g. built fresh) still drops evaluations newer than the one reported
+    other, lr2 = SwarmView("demo"), Learner()
+    for s in (10, 20, 30):
+        feed(other, lr2.heartbeat(s, 0.1, (s, 0.1, 0.1)))
+    other.learner = {}
+    feed(other, lr2.heartbeat(40, 0.4, (15, 0.15, 0.2)))
+    assert other.eval_curve == [[10, 0.1, 0.1], [15, 0.15, 0.2]]
+
+
+@pytest.mark.fast
+def test_view_eval_curve_is_bounded_and_persisted(tmp_path, monkeypatch):
+    monkeypatch.setattr(view_module, "MAX_POINTS", 3)
+    path = tmp_path / "view.json"
+    view, lr = SwarmView("demo", path=path), Learner()
+    for s in range(1, 6):
+        feed(view, lr.heartbeat(s, 0.1, (s, s / 10, s / 5)))
+    assert view.eval_curve == [[3, 0.3, 0.6], [4, 0.4, 0.8], [5, 0.5, 1.0]]
+    view.save()
+    restored = SwarmView("demo", path=path)
+    assert restored.eval_curve == view.eval_curve
+    feed(restored, lr.heartbeat(6, 0.1, (5, 0.5, 1.0)))  # the restored view dedupes against its saved points
+    assert restored.eval_curve == view.eval_curve
+    # a view saved before evaluations existed has no eval_curve: it starts empty
+    saved = json.loads(path.read_text())
+    del saved["eval_curve"]
+    path.write_text(json.dumps(saved))
+    assert SwarmView("demo", path=path).eval_curve == []
+
+
 # ---- HTTP routes ----
 
 
@@ -168,6 +299,9 @@ def test_metrics_match_view(dashboard):
     assert sample(m, "heterorl_peers_alive", role="learner") == 1
     assert sample(m, "heterorl_learner_step") == 36
     assert sample(m, "heterorl_learner_reward") == pytest.approx(learner["reward_curve"][-1][1], rel=1e-12)
+    _, sampled, greedy = learner["eval_curve"][-1]
+    assert sample(m, "heterorl_learner_eval_sampled") == pytest.approx(sampled, rel=1e-12)
+    assert sample(m, "heterorl_learner_eval_greedy") == pytest.approx(greedy, rel=1e-12)
     assert sample(m, "heterorl_batches_accepted_total") == 140
     assert sample(m, "heterorl_batches_rejected_total") == 4
     assert sample(m, "heterorl_checkpoint_version") == 9
@@ -234,7 +368,7 @@ def test_prometheus_missing_and_odd_values():
         ("heterorl_peers_alive", frozenset({("role", "learner")})): 0,
         ("heterorl_peers_alive", frozenset({("role", "sampler")})): 0,
     }
-    assert text.count("# TYPE ") == 8 and text.endswith("\n")
+    assert text.count("# TYPE ") == 10 and text.endswith("\n")
 
     view = {
         "latest_version": 4,
@@ -250,6 +384,13 @@ def test_prometheus_missing_and_odd_values():
     assert not any(line.startswith(skipped) for line in lines)
     from_list = prometheus_text({"checkpoints": [{"version": 7}, {"version": 2}]})
     assert "heterorl_checkpoint_version 7" in from_list.splitlines()
+    # an evaluation without a greedy figure, and malformed eval curves, give no sample rather than an error
+    only_sampled = prometheus_text({"learner": {"eval_curve": [[4, 0.5, None]]}}).splitlines()
+    assert "heterorl_learner_eval_sampled 0.5" in only_sampled
+    assert not any(line.startswith("heterorl_learner_eval_greedy ") for line in only_sampled)
+    for odd in ([], [[4]], "x", [None], [[4, "a", "b"]]):
+        lines = prometheus_text({"learner": {"eval_curve": odd}}).splitlines()
+        assert not any(line.startswith("heterorl_learner_eval_") for line in lines), odd
 
 
 # ---- the page in a real browser ----
@@ -311,25 +452,37 @@ def browser() -> str:
 
 @pytest.fixture(scope="module")
 def rendered(browser, tmp_path_factory):
-    """The page rendered by headless Chromium: the full view (DOM and screenshot) and an empty view (DOM)."""
+    """The page rendered by headless Chromium: the full view (DOM and screenshot), an empty view (DOM) and the
+    start of a run, with one-point and all-zero series (DOM)."""
     view = realistic_view()
+    edge = edge_view(time.time())
     full = DashboardServer(lambda: view, lambda: prometheus_text(view)).start()
     empty = DashboardServer(dict, str).start()
+    start = DashboardServer(lambda: edge, lambda: prometheus_text(edge)).start()
     shot = tmp_path_factory.mktemp("shot") / "dashboard.png"
     t0 = time.monotonic()
     try:
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
             jobs = [
                 pool.submit(headless, browser, full.url, "--dump-dom"),
                 pool.submit(headless, browser, full.url, f"--screenshot={shot}"),
                 pool.submit(headless, browser, empty.url, "--dump-dom"),
+                pool.submit(headless, browser, start.url, "--dump-dom"),
             ]
-            dom, _, empty_dom = (j.result() for j in jobs)
+            dom, _, empty_dom, edge_dom = (j.result() for j in jobs)
     finally:
         full.stop()
         empty.stop()
-    logging.getLogger(__name__).info("chromium: %.1f s for three headless runs", time.monotonic() - t0)
-    return {"view": view, "dom": probe(dom), "empty": probe(empty_dom), "shot": shot}
+        start.stop()
+    logging.getLogger(__name__).info("chromium: %.1f s for four headless runs", time.monotonic() - t0)
+    return {
+        "view": view,
+        "dom": probe(dom),
+        "empty": probe(empty_dom),
+        "edge_view": edge,
+        "edge": probe(edge_dom),
+        "shot": shot,
+    }
 
 
 def test_browser_draws_every_plot(rendered):
@@ -339,6 +492,7 @@ def test_browser_draws_every_plot(rendered):
     learner = view["learner"]
     assert points == {
         "plot-reward": len(learner["reward_curve"]),
+        "plot-eval": 2 * len(learner["eval_curve"]),  # sampled and greedy
         "plot-staleness": len(learner["staleness_hist"]),
         "plot-is": len(learner["ess_curve"]) + len(learner["is_var_curve"]),
         "plot-throughput": sum(len(s) for s in view["throughput"].values()),
@@ -388,3 +542,54 @@ def test_browser_empty_view_waits_for_data(rendered):
     for p in PLOTS:
         assert "data-points" not in dom.canvases[p] and dom.canvases[p].get("data-state") == "waiting"
     assert [r["cells"] for r in dom.rows[1:]] == [["no peers yet"]]
+
+
+def axis_of(canvas: dict, name: str) -> tuple[float, float, list[str]]:
+    """A drawn plot's ``name`` ("x" or "y") axis as the page exposes it: (lo, hi, tick labels)."""
+    lo, hi = map(float, canvas[f"data-{name}-range"].split(","))
+    return lo, hi, canvas[f"data-{name}-ticks"].split("|")
+
+
+def test_browser_eval_plot_beside_the_reward_plot(rendered):
+    dom, learner = rendered["dom"], rendered["view"]["learner"]
+    reward, ev = dom.canvases["plot-reward"], dom.canvases["plot-eval"]
+    assert ev.get("data-state") == "drawn"
+    # beside the training reward: same row, to its right
+    rl, rt, rw, rh = map(int, reward["data-box"].split(","))
+    el, et, ew, eh = map(int, ev["data-box"].split(","))
+    assert et == rt and el >= rl + rw and (ew, eh) == (rw, rh)
+    lo, hi, ticks = axis_of(ev, "x")
+    steps = [p[0] for p in learner["eval_curve"]]
+    assert lo <= min(steps) and hi >= max(steps) and len(ticks) >= 3 and all(t.isdigit() for t in ticks)
+    lo, hi, _ = axis_of(ev, "y")
+    values = [v for p in learner["eval_curve"] for v in p[1:]]
+    assert lo <= min(values) and hi >= max(values) and hi - lo < 2
+
+
+def test_browser_one_point_axes_have_a_sane_span(rendered):
+    canvases, edge = rendered["edge"].canvases, rendered["edge_view"]
+    assert rendered["edge"].error is not None and not rendered["edge"].error["text"].strip()
+    # the checkpoint-version plot at the start of a run: one point on a time axis spans a minute, not hours
+    checkpoints = canvases["plot-checkpoints"]
+    assert checkpoints.get("data-points") == "1"
+    lo, hi, ticks = axis_of(checkpoints, "x")
+    ((t, _),) = edge["checkpoint_versions"]
+    assert lo < t < hi and hi - lo == pytest.approx(60, abs=1e-3)
+    assert len(ticks) >= 2 and all(re.fullmatch(r"\d\d:\d\d:\d\d", tick) for tick in ticks), ticks
+    # one point on a step axis: one step either side; with a step axis that starts at 0, no negative step
+    lo, hi, ticks = axis_of(canvases["plot-reward"], "x")
+    assert (lo, hi) == (0, 2) and ticks == ["0", "1", "2"]
+    lo, hi, ticks = axis_of(canvases["plot-eval"], "x")
+    assert (lo, hi) == (0, 1) and ticks == ["0", "1"]
+
+
+def test_browser_all_zero_series_get_a_non_negative_axis(rendered):
+    canvases = rendered["edge"].canvases
+    # version 0, reward 0, evaluation 0 and 0 tokens/s: each y axis runs from 0 to 1, not from -1 to 1
+    for plot in ("plot-checkpoints", "plot-reward", "plot-eval", "plot-throughput"):
+        lo, hi, ticks = axis_of(canvases[plot], "y")
+        assert (lo, hi) == (0, 1), plot
+        assert ticks[0] == "0" and ticks[-1] in ("1", "1.0"), plot
+        assert not any(t.startswith("-") for t in ticks), plot
+    # the checkpoint versions are whole numbers: their axis has no fractional ticks
+    assert axis_of(canvases["plot-checkpoints"], "y")[2] == ["0", "1"]
