@@ -376,3 +376,64 @@ def canonical():
     A = torch.tensor([1.0, -0.5], dtype=F64)
     gids = torch.tensor([0, 0])
     return lp, lq, mask, A, gids
+
+
+# ----------------------------------------------------------------------------- M2PO and VCPO
+
+
+def m2po(logp, logq, mask, advantages, m2_threshold=0.04, weight_cap=None):
+    """M2PO (AReaL's rule): mask the largest d² (row-major order among ties) while the mean of the rest is
+    ≥ τ; loss = −Σ_kept r·A / (all valid tokens). Returns (loss, info with the masked (b, t) set)."""
+    B, T = logp.shape
+    A = [float(a) for a in advantages.tolist()]
+    toks = [(b, t) for b in range(B) for t in range(T) if _valid(mask, b, t)]
+    d = {bt: _f(logp[bt] - logq[bt]) for bt in toks}
+    order = sorted(toks, key=lambda bt: -(d[bt] ** 2))  # Python's sort is stable: row-major among ties
+    masked = set()
+    for k in range(len(order) + 1):
+        rest = order[k:]
+        if rest and sum(d[bt] ** 2 for bt in rest) / len(rest) < m2_threshold:
+            masked = set(order[:k])
+            break
+    else:
+        masked = set(order)
+    total = torch.zeros((), dtype=F64)
+    capped = set()
+    for b, t in toks:
+        if (b, t) in masked:
+            continue
+        r = torch.exp(logp[b, t] - logq[b, t])
+        if weight_cap is not None and _f(r) > weight_cap:
+            capped.add((b, t))
+            continue
+        total = total - r * A[b]
+    loss = total / max(len(toks), 1)
+    return loss, {"masked": masked, "capped": capped, "d": d}
+
+
+def vcpo(logp, logq, mask, advantages, group_ids, is_cap=8.0, baseline=True, grad_sq_norms=None):
+    """VCPO's loss and ESS ratio, written out: w_b = exp(Σ_t d), W_b = w_b²·g_b, A' = A − Σ_g W A / Σ_g W,
+    loss = −(1/B) Σ_b min(w_b, C)·A'_b·(1/L_b) Σ_t exp(lp − sg(lp))."""
+    B, T = logp.shape
+    A = [float(a) for a in advantages.tolist()]
+    L = _lengths(mask)
+    S = [sum(_f(logp[b, t] - logq[b, t]) for t in range(T) if _valid(mask, b, t)) for b in range(B)]
+    w = [math.exp(s) for s in S]
+    g = [1.0] * B if grad_sq_norms is None else [float(x) for x in grad_sq_norms.tolist()]
+    Ap = list(A)
+    if baseline:
+        for rows in _groups([int(x) for x in group_ids.tolist()]).values():
+            W = [w[i] ** 2 * g[i] for i in rows]
+            base = sum(Wi * A[i] for Wi, i in zip(W, rows, strict=True)) / sum(W) if sum(W) > 0 else 0.0
+            for i in rows:
+                Ap[i] = A[i] - base
+    loss = torch.zeros((), dtype=F64)
+    for b in range(B):
+        wb = w[b] if is_cap is None else min(w[b], is_cap)
+        s = torch.zeros((), dtype=F64)
+        for t in range(T):
+            if _valid(mask, b, t):
+                s = s + torch.exp(logp[b, t] - logp[b, t].detach())
+        loss = loss - wb * Ap[b] * s / max(L[b], 1)
+    ess = sum(w) ** 2 / (B * sum(x * x for x in w))
+    return loss / B, {"ess_ratio": ess, "adv": Ap, "w": w}

@@ -10,7 +10,8 @@ It does four things:
 - :meth:`score`: per-token log-probs of rows under its current weights, or under any given weights (another
   version's) without touching its own (``torch.func.functional_call``);
 - :meth:`step`: one update on a batch: zero the gradients, the objective's gradient
-  (:func:`~.update.accumulate_gradients`), clip, the optimiser's step; ``version`` counts the steps taken;
+  (:func:`~.update.accumulate_gradients`), clip, the optimiser's step (its learning rate times the objective's
+  ``step/lr_scale`` stat, if it reports one, for that step only); ``version`` counts the steps taken;
 - :meth:`snapshot`: copies of what a version publishes (the weights, or an adapter run's adapters, rounded to
   the checkpoint dtype) and, if asked, of the model and optimiser state, made on the trainer's device between
   steps so that another thread can serialise, diff and save them while the next step runs;
@@ -22,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -36,6 +38,26 @@ from .state import load_state, save_state
 from .update import StepOptions, accumulate_gradients, autocast_for, peak_memory_mib
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
+LR_SCALE_KEY = "step/lr_scale"  # an objective's stat: multiply every param group's lr by it for this step
+
+
+def scaled_optimizer_step(optimizer: torch.optim.Optimizer, scale: float) -> None:
+    """``optimizer.step()`` with every param group's lr multiplied by ``scale`` (finite, >= 0) for this one
+    step, restored afterwards even if the step raises (VCPO's ESS-scaled step, :mod:`~..objectives.vcpo`)."""
+    scale = float(scale)
+    if not math.isfinite(scale) or scale < 0:
+        raise ValueError(f"{LR_SCALE_KEY} must be finite and >= 0, got {scale}")
+    if scale == 1.0:
+        optimizer.step()
+        return
+    base = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for group, lr in zip(optimizer.param_groups, base, strict=True):
+            group["lr"] = lr * scale
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, base, strict=True):
+            group["lr"] = lr
 
 
 def adamw(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -110,7 +132,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         stats = accumulate_gradients(self.model, rows, self.options, version=self.version, pad_id=self.pad_id)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.options.grad_clip))
-        self.optimizer.step()
+        scaled_optimizer_step(self.optimizer, stats.get(LR_SCALE_KEY, 1.0))
         self.version += 1
         return {**stats, "grad_norm": grad_norm, "mem/peak_mib": peak_memory_mib(device)}
 

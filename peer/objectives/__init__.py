@@ -22,9 +22,11 @@ from typing import Any
 from torch import Tensor
 
 from . import gepo as _gepo  # noqa: F401  (registration)
+from . import m2po as _m2po  # noqa: F401
 from . import sequence as _sequence  # noqa: F401
 from . import token_clip as _token_clip  # noqa: F401
 from . import truncated as _truncated  # noqa: F401
+from . import vcpo as _vcpo  # noqa: F401
 from ._batch import build_batch
 from ._diagnostics import diagnostics
 from ._params import build_params

@@ -30,6 +30,8 @@ OBJECTIVES: dict[str, str] = {
     "cispo": "grpo",
     "topr": "dr_grpo",
     "gmpo": "grpo",
+    "m2po": "grpo",  # AReaL's M2PO doc: group (r − mean)/std; the authors' verl scripts: GRPO
+    "vcpo": "grpo",  # the authors' scripts: adv_estimator=grpo (their baseline then re-centres it)
 }
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "bnpo")  # advantage estimators (heterorl.peer.objectives.advantages)
 CHECKPOINT_DTYPES = ("float32", "bfloat16")
