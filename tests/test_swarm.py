@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def swarm(tmp_path, tiny_model_dir):
-    s = Swarm(tmp_path / "swarm", tiny_model_dir)
+    s = Swarm(tmp_path / "swarm", tiny_model_dir, eval_every=5)
     yield s
     s.close()
 
@@ -78,6 +78,10 @@ def test_heterorl_local_learns_and_every_sampler_follows_the_checkpoints(tmp_pat
     rows = [json.loads(line) for line in (out / "learner" / "metrics.jsonl").read_text().splitlines()]
     waits, trains = [r["wait_s"] for r in rows], [r["train_s"] for r in rows]
     assert waits == sorted(waits) and trains == sorted(trains) and trains[-1] > 0
+    # the held-out evaluation of the current policy, every learner.eval_every (25) updates
+    evals = [r for r in rows if "eval/step" in r]
+    assert [r["eval/step"] for r in evals] == [25, 50, 75] == [r["step"] for r in evals]
+    assert all(0 < r["eval/sampled"] < 1 and 0 <= r["eval/greedy"] <= 1 for r in evals)
     window = swarm_window(rows, warmup=5)
     assert window["trajectories_per_s"] > 0 and 0 <= window["wait_frac"] <= 1
     assert 0 < window["train_frac"] <= 1 and window["wait_frac"] + window["train_frac"] <= 1.01
@@ -115,6 +119,9 @@ def test_churn_samplers_learner_and_coordinator_come_and_go(swarm):
         view = swarm.view()
     assert view["learner"]["step"] > step_at_stop, swarm.logs()  # fresh heartbeats, not the saved view
     assert view["learner"]["reward_curve"] and view["latest_version"] > step_at_stop
+    # the learner's held-out evaluations reach the view through its heartbeats (eval_every = 5)
+    evals = view["learner"]["eval_curve"]
+    assert evals and all(e[0] % 5 == 0 and 0 < e[1] < 1 for e in evals), evals
     assert "rejoined the swarm through" in (swarm.root / "coordinator" / "coordinator.log").read_text()
     stop_all([learner, s1, s2])
     # exactly once: no batch applied twice in the final lineage, every applied id is in the ledger

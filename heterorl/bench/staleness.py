@@ -65,6 +65,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eval-every", type=int, default=20, help="updates between held-out evaluations")
     ap.add_argument("--objectives", nargs="+", default=None, help=f"labels, of: {' '.join(VARIANTS)}")
     ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=OBJECTIVE[:JSON]",
+        help='a further variant to run, e.g. gepo-l75=gepo:{"defensive_lambda":0.75} (repeatable; its '
+        "delay-0 runs are its own)",
+    )
+    ap.add_argument(
         "--quick",
         action="store_true",
         help=f"{' '.join(QUICK_VARIANTS)} at delays {QUICK['delays']}, seeds {QUICK['seeds']} "
@@ -72,11 +80,35 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--workers", type=int, default=None, help="runs at a time (default: the CPU count)")
     ap.add_argument("--model", default=None, help="default: the tiny model (built if missing)")
+    ap.add_argument(
+        "--task-params",
+        default=None,
+        help="the arithmetic task's parameters as JSON (default: one-digit sums), e.g. for an instruct model "
+        '\'{"style": "question", "digits": 1}\'',
+    )
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the run default (6)")
+    ap.add_argument("--eval-samples", type=int, default=4, help="draws per prompt where eval is not exact")
+    ap.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts scored at most")
     ap.add_argument("--out", default="runs/bench-staleness")
 
 
 def _run_dir(out: Path, label: str, delay: int, seed: int) -> Path:
     return out / "runs" / f"{label}-d{delay}-s{seed}"
+
+
+def _fingerprint(job: dict) -> dict:
+    """What makes a finished run reusable: the loop's settings and the objective's parameters as they are
+    now, defaults included (a changed default reruns the runs that used it)."""
+    import dataclasses
+
+    from heterorl.peer.objectives._registry import get
+
+    fields = dataclasses.fields(get(job["loss"]).params)
+    params = {f.name: repr(f.default) for f in fields if f.default is not dataclasses.MISSING}
+    params.update({k: repr(v) for k, v in job["params"].items()})
+    keys = ("loss", "delay", "seed", "steps", "prompts", "group_size", "lr", "eval_every", "model")
+    keys += ("task_params", "max_new_tokens", "eval_samples", "eval_prompts")
+    return {**{k: job[k] for k in keys}, "params": params}
 
 
 def _one(job: dict) -> dict:
@@ -85,13 +117,17 @@ def _one(job: dict) -> dict:
 
     torch.set_num_threads(1)
     logging.getLogger("heterorl.peer.train.one_process").setLevel(logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per run would bury the runs' own bar
     from heterorl.peer.train import OneProcessConfig, run_one_process
     from heterorl.protocol.settings import Run, from_overrides
 
     d = Path(job["dir"])
-    done = d / "summary.json"
+    done, stamp = d / "summary.json", d / "job.json"
     summary = json.loads(done.read_text()) if done.exists() else {}
-    if "final_eval" not in summary:  # absent, or written before the benchmark judged the policy
+    same = stamp.exists() and json.loads(stamp.read_text()) == _fingerprint(job)
+    if "final_eval" not in summary or not same:  # absent, older, or another objective's settings
         run = {
             "model.path": job["model"],
             "objective.name": job["loss"],
@@ -100,11 +136,16 @@ def _one(job: dict) -> dict:
             "learner.prompts_per_update": job["prompts"],
             "learner.group_size": job["group_size"],
             "learner.eval_every": job["eval_every"],
+            "learner.eval_samples": job["eval_samples"],
+            "learner.eval_prompts": job["eval_prompts"],
+            **({"task.params": job["task_params"]} if job["task_params"] is not None else {}),
+            **({"sampling.max_new_tokens": job["max_new_tokens"]} if job["max_new_tokens"] else {}),
         }
         cfg = OneProcessConfig(
             from_overrides(Run, run), steps=job["steps"], delay=job["delay"], seed=job["seed"]
         )
         summary = run_one_process(cfg, d, progress=False, save_checkpoint=False)
+        stamp.write_text(json.dumps(_fingerprint(job)))
     rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
     return {
         "objective": job["label"],
@@ -258,12 +299,27 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     from heterorl.peer.model import TINY_MODEL_DIR, ensure_model
 
+    variants = dict(VARIANTS)
+    for spec in args.variant:
+        try:
+            label, rest = spec.split("=", 1)
+            loss, _, params = rest.partition(":")
+            variants[label] = (loss, json.loads(params) if params else {})
+        except ValueError as e:
+            print(f"error: --variant {spec!r}: want LABEL=OBJECTIVE[:JSON] ({e})")
+            return 2
     labels = list(args.objectives or (QUICK_VARIANTS if args.quick else VARIANTS))
+    labels += [spec.split("=", 1)[0] for spec in args.variant if spec.split("=", 1)[0] not in labels]
     if args.quick:
         args.delays, args.seeds = QUICK["delays"], QUICK["seeds"]
-    unknown = [label for label in labels if label not in VARIANTS]
+    unknown = [label for label in labels if label not in variants]
     if unknown:
-        print(f"error: {unknown} not among {list(VARIANTS)}")
+        print(f"error: {unknown} not among {list(variants)}")
+        return 2
+    try:
+        task_params = json.loads(args.task_params) if args.task_params else None
+    except json.JSONDecodeError as e:
+        print(f"error: --task-params is not JSON: {e}")
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -271,8 +327,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     jobs = [
         {
             "label": label,
-            "loss": VARIANTS[label][0],
-            "params": VARIANTS[label][1],
+            "loss": variants[label][0],
+            "params": variants[label][1],
             "delay": delay,
             "seed": seed,
             "dir": str(_run_dir(out, label, delay, seed)),
@@ -282,6 +338,10 @@ def run_from_args(args: argparse.Namespace) -> int:
             "group_size": args.group_size,
             "lr": args.lr,
             "eval_every": args.eval_every,
+            "eval_samples": args.eval_samples,
+            "eval_prompts": args.eval_prompts,
+            "task_params": task_params,
+            "max_new_tokens": args.max_new_tokens,
         }
         for seed in args.seeds
         for delay in sorted(args.delays, reverse=True)  # the long-delay runs first: the slowest to snapshot
@@ -300,11 +360,17 @@ def run_from_args(args: argparse.Namespace) -> int:
             results.append(f.result())
     results.sort(key=lambda r: (r["delay"], _order(r["objective"]), r["seed"]))
     (out / "results.json").write_text(json.dumps({"default_objective": DEFAULT_OBJECTIVE, "runs": results}))
+    what = (
+        "tiny model, one-digit sums. Held-out eval: the current policy's exact expected reward over all 100 "
+        "prompts at temperature 1"
+        if args.model is None and task_params is None
+        else f"model {args.model or 'tiny'}, arithmetic {task_params or ''}. Held-out eval: the current "
+        f"policy's expected reward on the task's held-out prompts (exact where the task allows, else "
+        f"{args.eval_samples} seeded draws per prompt) at temperature 1"
+    )
     header = (
         f"{len(results)} runs: {args.steps} updates of {args.prompts} prompts × {args.group_size}, "
-        f"lr {args.lr}, "
-        f"seeds {args.seeds}, tiny model, one-digit sums. Held-out eval: the current policy's exact expected "
-        f"reward over all 100 prompts at temperature 1, mean of its last {FINAL_EVALS} evaluations (every "
+        f"lr {args.lr}, seeds {args.seeds}, {what}, mean of its last {FINAL_EVALS} evaluations (every "
         f"{args.eval_every} updates), in percent (mean ± spread over seeds); kept = mean over seeds / the "
         f"same "
         f"objective's at delay 0."

@@ -105,6 +105,10 @@ class HeldOutEval:
         return rows
 
     def _exact_score(self, model) -> float:
+        return sum(min(p, 1.0) for p in self.exact_probs(model)) / len(self.examples)
+
+    def exact_probs(self, model) -> list[float]:
+        """Per held-out prompt, the probability that a draw from the sampling distribution earns reward 1."""
         rows = self._exact or []
         prob = [0.0] * len(self.examples)
         for start in range(0, len(rows), EXACT_ROWS_PER_FORWARD):
@@ -123,7 +127,7 @@ class HeldOutEval:
             tok_lp = torch.where(mask > 0, tok_lp, torch.zeros_like(tok_lp))
             for (i, _), lp in zip(chunk, tok_lp.double().sum(-1).tolist(), strict=True):
                 prob[i] += math.exp(lp)  # -inf outside the nucleus: probability 0
-        return sum(min(p, 1.0) for p in prob) / len(prob)
+        return prob
 
     # ---- the sampled path: seeded draws, scored by the task's reward
 
