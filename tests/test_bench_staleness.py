@@ -72,6 +72,9 @@ def test_every_objective_of_the_zoo_is_on_the_grid():
 
     assert set(objectives.names()) <= {loss for loss, _ in staleness.VARIANTS.values()}
     assert staleness.DEFAULT_OBJECTIVE == objectives.DEFAULT_OBJECTIVE
+    from heterorl.peer.train import one_process
+
+    assert staleness.FINAL_EVALS == one_process.FINAL_EVALS  # final_eval means the same in both
     assert set(staleness.QUICK_VARIANTS) <= set(staleness.VARIANTS) and 256 in staleness.QUICK["delays"]
 
 

@@ -82,6 +82,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--phase-s", type=float, default=40.0, help="each attack's time in the swarm (default: %(default)s)"
     )
     ap.add_argument(
+        "--phase-max-s",
+        type=float,
+        default=150.0,
+        help="an attacker not banned after --phase-s stays until it is, or this long: on a loaded machine "
+        "the learner judges fewer of its batches per second, not fewer in all (default: %(default)s)",
+    )
+    ap.add_argument(
         "--root", default=None, help="keep the swarm's state dirs and logs here (default: a tmp dir)"
     )
     ap.add_argument("--json", default=None, help="write the figures here too")
@@ -150,6 +157,18 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+def _until_banned(swarm, attacker_dir: Path, deadline: float) -> None:
+    """Wait until the coordinator's view shows the attacker banned, or the deadline."""
+    while time.time() < deadline:
+        try:  # the attacker writes its key file as it starts: never create it here
+            bans = swarm.view().get("learner", {}).get("bans", {})
+            if (attacker_dir / "peer.key").exists() and _key_of(attacker_dir) in bans:
+                return
+        except (OSError, ValueError):
+            pass  # no key file yet, or the dashboard busy: ask again
+        time.sleep(2)
+
+
 def _one_run(
     root: Path, model: str, engines: list[str], seeded: bool, attack: str, args
 ) -> tuple[dict, dict]:
@@ -177,6 +196,8 @@ def _one_run(
         proc = swarm.start_sampler("attacker", *flags, module="heterorl.testing.hostile")
         t_start = time.time()
         time.sleep(args.phase_s)
+        if not flood:
+            _until_banned(swarm, root / "attacker", t_start + max(args.phase_s, args.phase_max_s))
         proc.terminate(timeout=30)
         t_end = time.time()
     finally:

@@ -30,7 +30,7 @@ from .policy_lag import PolicyLag
 
 log = logging.getLogger(__name__)
 
-FINAL_EVALS = 3  # ``final_eval`` is the mean of the last this many evaluations of the current policy
+FINAL_EVALS = 5  # ``final_eval``: the mean of the last this many evaluations of the current policy (noise)
 
 
 @dataclass(frozen=True)
