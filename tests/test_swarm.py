@@ -71,7 +71,8 @@ def test_heterorl_local_learns_and_every_sampler_follows_the_checkpoints(tmp_pat
     for name, versions in loaded.items():
         assert versions == sorted(set(versions)), (name, versions)  # only ever forward, each version once
         assert versions[-1] >= steps // 2, (name, versions)  # checkpoints reached every sampler, late too
-    assert "learner updates" in done.stdout
+    assert "learner updates" in done.stdout and "held-out eval of the current policy" in done.stdout
+    assert [e[0] for e in summary["eval_curve"]] == [25, 50, 75]
     # a clean stop saves the last step, whatever learner.save_every_s: a restart redoes nothing
     assert (out / "learner" / "state" / "CURRENT").read_text().strip() == f"step-{steps:08d}"
     # the learner's per-step time accounting, which `heterorl bench throughput` reads

@@ -129,4 +129,9 @@ def run(args: argparse.Namespace) -> int:
         f"staleness {summary['staleness']}; summary at {out / 'summary.json'}"
     )
     print("reward curve: " + curve_line(summary["reward_curve"]))
+    if summary["eval_curve"]:
+        print(
+            "held-out eval of the current policy (update: sampled / greedy): "
+            + "  ".join(f"{int(s)}: {a:.3f} / {g:.3f}" for s, a, g in summary["eval_curve"])
+        )
     return 0

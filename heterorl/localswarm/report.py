@@ -80,6 +80,10 @@ def summarise(out: Path, samplers: list[Path], view: dict | None, wall: float) -
         "reward_curve": curve,
         "reward_first10": sum(curve[:k]) / k if k else None,
         "reward_last10": sum(curve[-k:]) / k if k else None,
+        # the learner's held-out evaluations of its current policy: [step, sampled, greedy]
+        "eval_curve": [
+            [r["eval/step"], r["eval/sampled"], r["eval/greedy"]] for r in rows if "eval/step" in r
+        ],
         "staleness": {b: hist.get(b, 0) for b in STALENESS_BUCKETS},
         "is_var_curve": [r.get("is/var") for r in rows],
         "ess_curve": [r.get("is/ess") for r in rows],

@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 
 MAX_SHOWN_STRIKES = 8
 ANNOUNCE_TIMEOUT_S = 60.0
+# objectives whose weights bound very stale rows (defensive sampling): no staleness cut needed to 256 versions
+STALE_SAFE_OBJECTIVES = ("gepo", "gepo_plus")
 SHOWN_STATS = (
     "reward/mean",
     "is/ess",
@@ -538,6 +540,14 @@ class Learner:
     # ---- the role ----
 
     def start(self) -> None:
+        s = self.settings
+        if s.objective.name not in STALE_SAFE_OBJECTIVES and s.learner.max_staleness < 0:
+            log.warning(
+                "objective %s trains on batches however stale (learner.max_staleness = -1); in `heterorl "
+                "bench staleness` only GEPO's defensive weights kept their skill at delay 256 (CISPO and "
+                "M2PO collapsed): consider a cut",
+                s.objective.name,
+            )
         self.status.state = f"publishing version {self.step}"
         self._publish_now(with_state=False)  # version 0 (or the step resumed at) before anyone can sample
         self.rt.start_thread("checkpoint publisher", self.publisher.run)
