@@ -113,9 +113,11 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(args.log_level, state_dir / f"{args.role}.log")
     stop = StopEvent()
+    signals = []  # the signals received: a second one means "leave now"; a stop set from inside does not
 
     def on_signal(signum, _frame):
-        if stop.is_set():
+        signals.append(signum)
+        if len(signals) > 1:
             log.warning("second signal: leaving now")
             os._exit(130)
         log.info("%s: finishing and leaving", signal.Signals(signum).name)

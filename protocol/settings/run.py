@@ -69,7 +69,7 @@ prompts_per_batch = 2              # prompt groups per TrajectoryBatch
 max_lag = 4                        # stop generating while more than 4 versions behind the newest (-1: never)
 
 [trust]                            # how learners check what samplers send (docs/trust.md)
-check_rate = 0.1                   # share of batches of authors with a record that are recomputed and checked
+check_rate = 0.05                  # share of batches of authors with a record that are recomputed and checked
 record_batches = 8                 # an author's first 8 batches (and 8 after a strike): checked, held
 ban_strikes = 3                    # refused batches that ban an author for the run
 

@@ -14,7 +14,7 @@ class TrustSettings:
     """``[trust]``: the learner's checks of sampled rollouts and what a failed one costs its author."""
 
     check_rate: float = setting(
-        0.1, "share of batches from authors with a record whose rows are recomputed and checked"
+        0.05, "share of batches from authors with a record whose rows are recomputed and checked"
     )
     record_batches: int = setting(
         8,
