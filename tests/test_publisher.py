@@ -180,6 +180,25 @@ def test_a_restarted_publisher_announces_the_stored_version_again_without_rebuil
     assert rig.starts.versions == [1, 1] and rig.store.manifest(1) == raw
 
 
+def test_the_checker_hears_a_version_only_with_the_weights_it_holds(rig):
+    """A restart resumed from an older save re-announces the newest version found published; those weights are
+    not the resumed ones, so the spot checker is not handed them (it reads that version from the store)."""
+    rig.update()
+    assert rig.offer() and rig.pub.wait_idle(10)  # version 1
+    heard: list[int] = []
+    same = rig.publisher()
+    same.on_published = lambda v, weights: heard.append(v)
+    same.publish_now(rig.trainer.snapshot("bfloat16", with_state=False))  # the very weights of version 1
+    assert heard == [1]
+    resumed = rig.publisher()
+    resumed.on_published = lambda v, weights: heard.append(v)
+    with torch.no_grad():  # a state older than version 1's, numbered as the newest published
+        for p in rig.trainer.model.parameters():
+            p.add_(1.0)
+    resumed.publish_now(rig.trainer.snapshot("bfloat16", with_state=False))
+    assert heard == [1] and rig.starts.versions[-1] == 1  # announced again, not handed to the checker
+
+
 def test_publishing_prunes_the_ledger_up_to_the_saved_step(rig):
     for i, step in enumerate((1, 2)):
         bid = bytes([i + 1]) * 16

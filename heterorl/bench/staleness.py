@@ -51,8 +51,14 @@ LAST_REWARDS = 20  # the lagging rollout reward: mean of the last this many upda
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--delays", type=int, nargs="+", default=[0, 8, 32, 64, 128, 256])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument(
+        "--delays",
+        type=int,
+        nargs="+",
+        default=[0, 8, 32, 64, 128, 256],
+        help="policy delays: rollouts come from the policy this many versions old (default: %(default)s)",
+    )
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="default: %(default)s")
     ap.add_argument(
         "--steps",
         type=int,

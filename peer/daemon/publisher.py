@@ -197,6 +197,7 @@ class Publisher:
         v = snap.version
         raw, body = self.store.manifest(v), self.store.body(v)
         data = serialize_state_dict(snap.weights)
+        these = True  # whether the version published holds these very weights
         if raw is None or body is None:
             older = [x for x in self.store.versions() if x < v]
             parent = self.published_version if self.published_version >= 0 else max(older, default=-1)
@@ -211,12 +212,12 @@ class Publisher:
             "chunk_hashes"
         ] == list(body["chunk_hashes"]):  # built before a restart from these very weights
             self._recent.append((v, hashlib.sha256(data).digest(), snap.weights))
-        # else: the version a restart found published, made from a later state than the one resumed from:
-        # announced again as it is, and not a base to diff on (its tensors are not these)
+        else:  # the version a restart found published, made from a later state than the one resumed from:
+            these = False  # announced again as it is; not a base to diff on, nor what a check recomputes with
         t2 = time.perf_counter()
         self.store.add_manifest(raw, body)
         self.published_version = v
-        if self.on_published is not None:
+        if self.on_published is not None and these:  # else the checker reads the version from the store
             self.on_published(v, snap.weights)
         self.published += 1
         self.announcer.announce(raw, body)  # on the node's loop: the DHT round trips do not wait here

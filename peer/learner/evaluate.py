@@ -62,7 +62,9 @@ class HeldOutEval:
         return self._exact is not None
 
     def describe(self) -> str:
-        how = "exact expected reward" if self.exact else f"{self.samples} seeded samples per prompt"
+        how = (
+            "expected reward computed exactly" if self.exact else f"{self.samples} seeded samples per prompt"
+        )
         return f"{len(self.examples)} held-out prompts, sampled: {how}, and greedy"
 
     @torch.no_grad()
