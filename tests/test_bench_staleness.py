@@ -110,3 +110,12 @@ def test_a_tiny_real_grid_writes_results_and_resumes(tmp_path, tiny_model_dir, c
     assert (tmp_path / "runs" / "gepo-d4-s0" / "summary.json").stat().st_mtime == first
     table = (tmp_path / "table.md").read_text()
     assert "| gepo | 4 |" in table and "held-out eval kept at delay 4: default gepo" in table
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--variant", "no-equals-sign"], ["--variant", "x=gepo:{not json"], ["--objectives", "nope"]],
+)
+def test_bad_variants_and_objectives_are_refused_before_any_run(argv, tmp_path, capsys):
+    assert staleness.main([*argv, "--out", str(tmp_path)]) == 2
+    assert "error:" in capsys.readouterr().out and not (tmp_path / "runs").exists()

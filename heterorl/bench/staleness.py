@@ -278,7 +278,13 @@ def plots(results: list[dict], out: Path) -> list[Path]:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
     for label in labels:
         ds = [d for d in delays if (label, d) in k]
-        ax.plot(ds, [k[(label, d)] for d in ds], marker="o", label=label, lw=1.8 if label == "gepo" else 1.0)
+        ax.plot(
+            ds,
+            [k[(label, d)] for d in ds],
+            marker="o",
+            label=label,
+            lw=1.8 if label == DEFAULT_OBJECTIVE else 1.0,
+        )
         ys = []
         for delay in delays:
             fs = [figures(r) for r in results if r["delay"] == delay and r["objective"] == label]
