@@ -308,6 +308,30 @@ def test_ledger_prune_keeps_dedupe(tmp_path):
         assert lg.applied_ids() == [bid(0), bid(1)]
 
 
+def test_ledger_knows_which_pending_batches_were_released_and_keeps_authors(tmp_path):
+    """A restart holds again what no check vouched for: the ledger says which batches were released (or
+    trained on, which implies it), and keeps each author's record."""
+    path = tmp_path / "l.db"
+    with AcceptedLog(path) as lg:
+        for i in range(5):
+            lg.accept(bid(i), b"a", 0, b"d", float(i))
+        lg.mark_released([bid(0), bid(1), bid(0)])  # a repeat is harmless
+        lg.mark_applied([bid(0)], step=3)
+        lg.save_author(b"a", {"passed": 3, "strikes": 1})
+        lg.save_author(b"b", {"passed": 0})
+        lg.save_author(b"b", None)  # forgotten
+    with AcceptedLog(path) as lg:
+        flags = {it.batch_id: it.released for it in lg.pending(applied_after=1)}
+        assert flags == {bid(0): True, bid(1): True, bid(2): False, bid(3): False, bid(4): False}
+        assert lg.authors() == {b"a": {"passed": 3, "strikes": 1}}
+        lg.mark_applied([bid(0), bid(1), bid(2)], step=2)
+        lg.prune_applied(before_step=3)  # never replayed again: their released marks go
+        assert {it.batch_id: it.released for it in lg.pending(applied_after=0)} == {
+            bid(3): False,
+            bid(4): False,
+        }
+
+
 def test_ledger_reopen_keeps_everything(tmp_path):
     path = tmp_path / "l.db"
     with AcceptedLog(path) as lg:
@@ -320,7 +344,7 @@ def test_ledger_reopen_keeps_everything(tmp_path):
         lg.seen(bid(0))
     with AcceptedLog(path) as lg:
         assert lg.stats() == before and lg.pending() == pend
-        assert pend[0] == LedgerItem(bid(1), b"author-1", 1, b"frame-1", 101.0, None)
+        assert pend[0] == LedgerItem(bid(1), b"author-1", 1, b"frame-1", 101.0, None, False)
         assert lg.applied_ids(step=7) == [bid(0)]
 
 

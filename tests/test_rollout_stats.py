@@ -286,7 +286,54 @@ def test_one_forged_row_is_refused_on_its_own(world):
     assert s.logprob_dev_median[3].item() == pytest.approx(math.expm1(1.0), abs=1e-4)
     reason = judge(s, TrustSettings())
     assert reason is not None and "a row's behaviour log-probs disagree" in reason
-    assert judge(s, TrustSettings(max_row_logprob_dev=2.0)) is None
+    assert "row 3's behaviour log-probs disagree" in judge(s, TrustSettings(max_row_logprob_dev=2.0))
+    assert judge(s, TrustSettings(max_row_logprob_dev=2.0, max_row_logprob_gap=1.5)) is None
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_seed_margin_is_zero_for_seeded_draws_and_the_score_gap_for_another_token(world, top_p):
+    """Rows drawn by Gumbel-max from their seeds reproduce with margin 0; a token put in their place has
+    margin max_y (log p(y) + g_y) - (log p(x) + g_x), computed here in float64 by hand."""
+    from heterorl.peer.model.sampling import gumbel_noise, seeded_choice
+
+    logits, _ = world
+    rows, n = logits[:4, :6], 4
+    seeds = [101, 202, 303, 404]
+    tokens = torch.stack([seeded_choice(rows[:, t], seeds, t, 1.0, top_p) for t in range(6)], 1)
+    claimed = behaviour_logprobs(rows, tokens, 1.0)
+    mask = torch.ones(tokens.shape)
+    s = row_stats(rows, tokens, mask, claimed, 1.0, top_p, seeds=seeds)
+    assert s.reproduced.tolist() == [6.0] * n and s.seed_margin.tolist() == [0.0] * n
+    swapped = tokens.clone()
+    logp = nucleus_logprobs(rows[2, 4], 1.0, top_p).double()
+    g = gumbel_noise(seeds[2], 4, V).double()
+    other = int(torch.where(torch.isfinite(logp), logp, torch.full_like(logp, -1e9)).argsort()[-2])
+    if other == int(tokens[2, 4]):
+        other = int(logp.argmax())
+    swapped[2, 4] = other
+    s = row_stats(rows, swapped, mask, behaviour_logprobs(rows, swapped, 1.0), 1.0, top_p, seeds=seeds)
+    want = float((logp + g).max() - (logp[other] + g[other]))
+    assert s.reproduced.tolist() == [6.0, 6.0, 5.0, 6.0]
+    assert s.seed_margin[2].item() == pytest.approx(want, abs=1e-4) and want > 0
+    assert s.seed_margin[[0, 1, 3]].tolist() == [0.0] * 3
+    reason = judge(s, TrustSettings(min_reproduced=0.5, max_seed_margin=want / 2))
+    assert reason is not None and "row 2's seed does not reproduce" in reason
+    assert judge(s, TrustSettings(min_reproduced=0.5, max_seed_margin=want * 2)) is None
+
+
+def test_one_atypical_row_is_refused_on_its_own(world):
+    """A row of tokens from elsewhere (uniform over the vocabulary) among sampled ones, its log-probs
+    recomputed honestly: its own z is far above 0 while the batch's stays within bounds."""
+    logits, gen = world
+    rows = logits[:BATCH]
+    tokens = sample(rows, 1.0, 1.0, gen)
+    tokens[5] = torch.randint(0, V, (T,), generator=gen)
+    s = stats_of(rows, tokens, behaviour_logprobs(rows, tokens, 1.0), 1.0, 1.0)
+    trust = TrustSettings(max_typicality_z=20.0, max_row_typicality_z=8.0)  # the row test alone
+    assert s.typicality_z()[5].item() > trust.max_row_typicality_z
+    assert abs(s.batch_typicality_z()) < trust.max_typicality_z
+    reason = judge(s, trust)
+    assert reason is not None and "row 5's tokens are less likely" in reason, reason
 
 
 def test_ignoring_top_p_leaves_the_nucleus(world):
@@ -330,7 +377,7 @@ def test_thresholds_come_from_the_settings(world):
     tokens = sample(rows, 1.0, 1.0, gen)
     claimed = behaviour_logprobs(rows, tokens, 1.0) - 0.3
     s = stats_of(rows, tokens, claimed, 1.0, 1.0)
-    lax = {"max_logprob_gap": 0.31}  # the mean |Δ| is 0.3 exactly
+    lax = {"max_logprob_gap": 0.31, "max_row_logprob_gap": 0.31}  # the mean |Δ| is 0.3 exactly
     assert judge(s, TrustSettings(max_logprob_dev=0.34, **lax)) is not None  # expm1(0.3) = 0.3499
     assert judge(s, TrustSettings(max_logprob_dev=0.36, **lax)) is None
     assert s.batch_logprob_gap_mean() == pytest.approx(0.3, abs=1e-5)

@@ -75,7 +75,7 @@ def world(tiny_model_dir):
     return model, tok, weights, rows
 
 
-def make_check(world, load=None, trust: TrustSettings | None = None) -> SpotCheck:
+def make_check(world, load=None, trust: TrustSettings | None = None, top_p: float = TOP_P) -> SpotCheck:
     model, tok, weights, _ = world
     trust = trust or TrustSettings()
     return SpotCheck(
@@ -85,7 +85,7 @@ def make_check(world, load=None, trust: TrustSettings | None = None) -> SpotChec
         trust,
         pad_id=tok.pad_token_id,
         temperature=TEMPERATURE,
-        top_p=TOP_P,
+        top_p=top_p,
     )
 
 
@@ -191,3 +191,72 @@ def test_version_weights_keeps_the_most_recent():
     assert vw.loads == 4
     assert vw.get(9) is None
     assert vw.loads == 4 and asked[-1] == 9
+
+
+# ---- row by row: one foreign row in a seeded batch ----
+
+SEEDED_TRUST = TrustSettings(min_reproduced=0.8)  # the batch-level share lets one foreign row of 24 by
+
+
+def seeded_batch(world, dtype: str, author: bytes, bid: bytes) -> dict:
+    """Honest seeded rows of version 0 from an hf engine of ``dtype``, as a sampler signs them."""
+    from heterorl.protocol.wire.seeds import row_seed
+
+    model, tok, weights, _ = world
+    task = get_task("arithmetic", digits=1)
+    rng = random.Random(11)
+    fmt = PromptFormat(tok)
+    prompts = [fmt.encode(task.sample(rng).prompt) for _ in range(PROMPTS) for _ in range(GROUP)]
+    seeds = tuple(row_seed("", author, bid, 0, r) for r in range(len(prompts)))
+    backend = make_backend("hf", tiny_model_dir_of(world), tok, dtype=dtype)
+    from heterorl.protocol.wire.checkpoint import deserialize_state_dict
+
+    backend.load_weights(deserialize_state_dict(weights[0]))
+    params = SamplingParams(TEMPERATURE, 1.0, MAX_NEW_TOKENS, seeds=seeds)  # top-p 1: no nucleus check
+    rows = batch_rows(backend.generate(prompts, params))
+    return {**batch(rows, 0), "batch_id": bid, "seeded": True}
+
+
+def tiny_model_dir_of(world) -> str:
+    model = world[0]
+    return model.name_or_path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_honest_seeded_rows_pass_row_by_row(world, dtype):
+    author = b"s" * 32
+    body = seeded_batch(world, dtype, author, b"q" * 16)
+    check = make_check(world, trust=SEEDED_TRUST, top_p=1.0)
+    assert check(body, author) is None, check.last
+    s = check.last.stats
+    assert s["reproduced"] >= 0.9 and s["seed_margin_max"] <= SEEDED_TRUST.max_seed_margin
+
+
+def test_one_foreign_row_among_honest_seeded_ones_is_refused(world):
+    """Another model's text in one row, its behaviour log-probs and reward recomputed honestly: the batch's
+    figures pass, the row's seed does not reproduce it."""
+    from heterorl.peer.model import completion_logprobs
+
+    model, tok, _, rows = world
+    author = b"c" * 32
+    body = seeded_batch(world, "float32", author, b"w" * 16)
+    check = make_check(world, trust=SEEDED_TRUST, top_p=1.0)
+    assert check(body, author) is None, check.last  # all honest: passes
+    # a row replaced by version 1's completion of the same prompt (the perturbed model: another model)
+    k = next(i for i, r in enumerate(rows[1]) if r["completion_ids"] != body["rows"][i]["completion_ids"])
+    foreign = dict(rows[1][k])
+    comp = torch.tensor([foreign["completion_ids"]])
+    with torch.no_grad():
+        lp = completion_logprobs(
+            model, [foreign["prompt_ids"]], comp, torch.ones_like(comp), tok.pad_token_id
+        )
+    foreign["logprobs"] = [min(0.0, x) for x in lp[0].tolist()]
+    body["rows"][k] = {**foreign, "group": body["rows"][k]["group"]}
+    out = check(body, author)
+    s = check.last.stats
+    assert isinstance(out, Refusal) and out.strike, s
+    assert f"row {k}'s seed does not reproduce" in out.reason, out.reason
+    assert (
+        s["reproduced"] >= SEEDED_TRUST.min_reproduced
+    )  # the batch as a whole passes: only the row check sees it
+    assert s["logprob_gap"] < SEEDED_TRUST.max_logprob_gap and abs(s["z"]) < SEEDED_TRUST.max_typicality_z

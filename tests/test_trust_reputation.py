@@ -428,3 +428,62 @@ def test_without_spot_checks_every_author_has_a_record():
     # an adapter run is not spot-checked: no author could ever earn a record, so none is needed
     rep = Reputation(TrustSettings(), buffer_capacity=16, checks=False)
     assert rep.has_record(A) and rep.check_rate(body(), A) is None
+
+
+# ---- holding: which batches vouch for the held ones ----
+
+
+def test_a_recorded_authors_batch_is_checked_when_it_holds_many_or_old_ones():
+    trust = TrustSettings(check_rate=0.0, record_batches=1, hold_batches=4, hold_s=20.0)
+    held = {"n": 0, "oldest": None}
+    now = {"t": 5000.0}
+    rep = reputation(trust, held=lambda a: (held["n"], held["oldest"]), wall=lambda: now["t"])
+    earn_record(rep, A)
+    assert not rep.should_check(A)  # rate 0, nothing held
+    held.update(n=2, oldest=now["t"] - 1)
+    assert not rep.should_check(A)
+    held.update(n=3)  # this batch would be the 4th held: it is checked
+    assert rep.should_check(A)
+    held.update(n=1, oldest=now["t"] - 20.0)  # the oldest waited hold_s
+    assert rep.should_check(A)
+
+
+def test_a_pass_vouches_for_its_batch_once():
+    rep = reputation()
+    rep.passed_check(A, 0.0, 1.0, batch_id=b"1" * 16)
+    assert rep.take_vouched(b"1" * 16)
+    assert not rep.take_vouched(b"1" * 16)  # taken
+    assert not rep.take_vouched(b"2" * 16)  # never checked
+    assert reputation(checks=False).take_vouched(b"3" * 16)  # no checks at all: everything is vouched
+
+
+def test_records_are_saved_on_every_check_and_strike_and_come_back():
+    saved: dict[bytes, dict | None] = {}
+    rep = reputation(TrustSettings(record_batches=2), save=lambda a, r: saved.__setitem__(a, r))
+    rep.accepted(body(t=1.0, v=3), A)
+    rep.passed_check(A, 1.0, 2.0)
+    assert saved[A]["passed"] == 1 and saved[A]["claims"] == [(1.0, 3)]
+    rep.strike(A, "bad")
+    assert saved[A]["strikes"] == 1 and saved[A]["dense_left"] == 2
+    back = reputation(TrustSettings(record_batches=2))
+    back.load_records({a: r for a, r in saved.items() if r is not None})
+    assert back.record(A) == rep.record(A)
+    assert not back.has_record(A)  # still owes its dense checks: still on probation after the restart
+    assert back.check_claim(body(t=2.0, v=2), A) is not None  # its claims came back too
+
+
+def test_records_never_earned_expire_and_earned_ones_stay():
+    saved: dict[bytes, dict | None] = {}
+    now = {"t": 1000.0}
+    trust = TrustSettings(record_batches=1, record_expiry_s=100.0)
+    rep = reputation(trust, save=lambda a, r: saved.__setitem__(a, r), wall=lambda: now["t"])
+    rep.passed_check(A, 0.0, 1.0)  # A earns a record
+    rep.accepted(body(), B)
+    rep.strike(B, "bad")  # B never does: a throw-away key with a strike
+    now["t"] += 50
+    assert rep.expire() == []
+    now["t"] += 60
+    assert rep.expire() == [B]
+    assert saved[B] is None and rep.record(B).strikes == 0 and rep.record(A).passed == 1
+    now["t"] += 1000
+    assert rep.expire() == []  # an earned record never expires

@@ -133,13 +133,21 @@ def _make_backend(engine: str, model_dir: str, tok, spec: ModelSpec, threads: in
     )
 
 
-def _bodies(backend, task, fmt, spec: ModelSpec, n: int, rng) -> list[dict]:
-    """``n`` honest TrajectoryBatch bodies of version 0 generated in one engine call, as a sampler does."""
+def _bodies(backend, task, fmt, spec: ModelSpec, n: int, rng, author: bytes) -> list[dict]:
+    """``n`` honest TrajectoryBatch bodies of version 0 generated in one engine call, as a sampler does:
+    seeded (each row drawn by Gumbel-max from its seed) on the ``hf`` engines, as a run of them asks."""
     from heterorl.peer.rollout import SamplingParams
+    from heterorl.protocol.wire.seeds import row_seed
 
+    per = PROMPTS_PER_BATCH * GROUP_SIZE
     examples = [task.sample(rng) for _ in range(n * PROMPTS_PER_BATCH)]
     prompts = [fmt.encode(e.prompt) for e in examples for _ in range(GROUP_SIZE)]
-    roll = backend.generate(prompts, SamplingParams(TEMPERATURE, TOP_P, spec.max_new_tokens))
+    seeded = backend.name.startswith("hf")
+    bids = [rng.randbytes(16) for _ in range(n)]
+    seeds = (
+        tuple(row_seed("", author, bids[b], 0, r) for b in range(n) for r in range(per)) if seeded else None
+    )
+    roll = backend.generate(prompts, SamplingParams(TEMPERATURE, TOP_P, spec.max_new_tokens, seeds=seeds))
     rows = []
     for j in range(len(prompts)):
         k = int(roll.lengths[j])
@@ -152,9 +160,15 @@ def _bodies(backend, task, fmt, spec: ModelSpec, n: int, rng) -> list[dict]:
                 "reward": 0.0,
             }
         )
-    per = PROMPTS_PER_BATCH * GROUP_SIZE
     return [
-        {"policy_version": 0, "rows": rows[b * per : (b + 1) * per], "engine": backend.name} for b in range(n)
+        {
+            "policy_version": 0,
+            "rows": rows[b * per : (b + 1) * per],
+            "engine": backend.name,
+            "batch_id": bids[b],
+            **({"seeded": True} if seeded else {}),
+        }
+        for b in range(n)
     ]
 
 
@@ -165,6 +179,11 @@ def summarize(combo: Combo, checks: list[dict], trust, author_z: float, seconds:
     signed = np.array([c["z"] for c in checks])
     z = np.abs(signed)
     refused = [c["reason"] for c in checks if c["reason"] is not None]
+    gap_row = max(c["row_logprob_gap_max"] for c in checks)
+    z_row = max(c["row_abs_z_max"] for c in checks)
+    margins = [c["seed_margin_max"] for c in checks if c.get("seed_margin_max") is not None]
+    seed_margin = max(margins) if margins else None
+    reproduced = [c["reproduced"] for c in checks if c.get("reproduced") is not None]
     return {
         "model": combo.model,
         "published": combo.published,
@@ -185,20 +204,32 @@ def summarize(combo: Combo, checks: list[dict], trust, author_z: float, seconds:
         "refusal_reasons": dict(collections.Counter(refused)),
         "batch_z": signed.tolist(),  # per batch, in order
         "batch_logprob_dev": dev.tolist(),
+        "row_logprob_gap_max": gap_row,
+        "row_abs_z_max": z_row,
+        "seed_margin_max": seed_margin,
+        "reproduced_min": min(reproduced) if reproduced else None,
         "margin": {  # worst honest value over the threshold: < 1 passes
             "logprob_dev": float(dev.max()) / trust.max_logprob_dev,
             "row_logprob_dev": float(row.max()) / trust.max_row_logprob_dev,
             "typicality_z": max(float(z.max()), abs(author_z)) / trust.max_typicality_z,
+            "row_logprob_gap": gap_row / trust.max_row_logprob_gap,
+            "row_typicality_z": z_row / trust.max_row_typicality_z,
+            **({"seed_margin": seed_margin / trust.max_seed_margin} if seed_margin is not None else {}),
         },
         "seconds": seconds,
     }
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def table(results: list[dict]) -> str:
     lines = [
         "| model | published | engine | batches | tok/batch | dev med | dev p99 | dev max | row dev max "
-        "| abs z p50 | abs z p99 | abs z max | z mean | author z | refused | margin dev/row/z |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| abs z p50 | abs z p99 | abs z max | z mean | author z | refused | margin dev/row/z "
+        "| row gap max | row abs z max | seed margin max | reproduced min |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         m = r["margin"]
@@ -208,7 +239,9 @@ def table(results: list[dict]) -> str:
             f"{r['logprob_dev_max']:.2e} | {r['row_logprob_dev_max']:.2e} | {r['abs_z_p50']:.2f} | "
             f"{r['abs_z_p99']:.2f} | {r['abs_z_max']:.2f} | {r['z_mean']:+.2f} | {r['author_z']:+.2f} | "
             f"{r['refused']} ({r['false_refusal_rate']:.0%}) | "
-            f"{m['logprob_dev']:.3f} / {m['row_logprob_dev']:.3f} / {m['typicality_z']:.2f} |"
+            f"{m['logprob_dev']:.3f} / {m['row_logprob_dev']:.3f} / {m['typicality_z']:.2f} | "
+            f"{r['row_logprob_gap_max']:.3f} | {r['row_abs_z_max']:.1f} | "
+            f"{_fmt(r['seed_margin_max'], '.3f')} | {_fmt(r['reproduced_min'], '.1%')} |"
         )
     return "\n".join(lines)
 
@@ -266,7 +299,7 @@ def _run_model_engine(
             with tqdm(total=n, desc=combo.label, unit="batch") as bar:
                 while len(checks) < n:
                     for body in _bodies(
-                        backend, task, fmt, spec, min(spec.batches_per_call, n - len(checks)), rng
+                        backend, task, fmt, spec, min(spec.batches_per_call, n - len(checks)), rng, author
                     ):
                         verdict = check.verify(body, author)
                         s = verdict.stats
@@ -303,6 +336,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         "max_row_logprob_dev": trust.max_row_logprob_dev,
         "max_typicality_z": trust.max_typicality_z,
         "max_outside_nucleus": trust.max_outside_nucleus,
+        "max_row_logprob_gap": trust.max_row_logprob_gap,
+        "max_row_typicality_z": trust.max_row_typicality_z,
+        "max_seed_margin": trust.max_seed_margin,
     }
     rows = PROMPTS_PER_BATCH * GROUP_SIZE
 

@@ -5,7 +5,10 @@ A pipeline of threads, so that training waits for nothing it need not wait for:
 - the node's event loop: stream handlers, chunk server, heartbeat, DHT announces;
 - the intake pool (:class:`~heterorl.protocol.net.trajectories.TrajectoryReceiver`): decode, signature,
   schema, dedupe, flow control, then this role's :class:`~heterorl.peer.learner.intake.Admission` checks
-  (row count, staleness, rewards re-scored), the ledger write, the buffer, and only then the Ack;
+  (row count, staleness, rewards re-scored, spot checks), the ledger write, and only then the Ack; a batch
+  goes to the buffer once a check vouches for it (its own, or a later one of its author's), until then it
+  is held (:mod:`~heterorl.peer.learner.holding`);
+- the release sweep: an author gone quiet has its newest held batch checked, records never earned expire;
 - the assembler (:class:`~heterorl.peer.learner.assembler.BatchAssembler`): the next update's tensors,
   built while the current update trains;
 - the training thread (:meth:`Learner.loop`): ``Trainer.step``, the batches marked applied at that step,
@@ -17,7 +20,9 @@ update its id is marked applied at that step; the publisher saves model, optimiz
 version every ``learner.save_every_s``. A restarted learner loads its last save (step S) and replays every
 batch the ledger holds as pending or applied after S, so nothing accepted is lost and nothing counts twice in
 the saved lineage. Checkpoint versions are update steps; updates redone after a restart are numbered after
-the newest version published before it, so a version number is never signed twice.
+the newest version published before it, so a version number is never signed twice. Authors' records
+(strikes, probation) and which batches were released are in the ledger too: a replayed batch that no check
+vouched for is held again, as it was.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from heterorl.protocol.wire.staleness import STALENESS_BUCKETS, staleness_bucket
 from ..learner.assembler import Assembled, BatchAssembler
 from ..learner.buffer import Buffered, TrajectoryBuffer, staleness_refusal
 from ..learner.evaluate import HeldOutEval
+from ..learner.holding import HeldBatches
 from ..learner.intake import Admission, RewardCheck
 from ..learner.replay import ReplayIndex
 from ..learner.reputation import Reputation
@@ -60,6 +66,8 @@ from .weights import weights_hash
 log = logging.getLogger(__name__)
 
 MAX_SHOWN_STRIKES = 8
+SWEEP_EVERY_S = 1.0  # the release sweep's period
+EXPIRE_EVERY_S = 30.0  # how often records never earned are looked at for expiry
 ANNOUNCE_TIMEOUT_S = 60.0
 # objectives whose weights bound very stale rows (defensive sampling): no staleness cut needed to 256 versions
 STALE_SAFE_OBJECTIVES = ("gepo", "gepo_plus")
@@ -130,17 +138,23 @@ class Learner:
         )
         self.evaluate = self._held_out_eval(runtime)
         self.last_eval: dict[str, float] = {}
-        # batches of authors without a record yet: accepted (in the ledger), held out of training until the
-        # author has one, dropped if it is banned first
-        self.probation: collections.defaultdict[bytes, list[Buffered]] = collections.defaultdict(list)
-        self._probation_lock = threading.Lock()
+        # accepted batches (in the ledger) held out of training until a check vouches for them: all of an
+        # author's until it has a record (probation), then those since its last passed check; a strike or a
+        # ban drops them (peer/learner/holding.py)
+        self.held = HeldBatches()
+        self._hold_lock = threading.RLock()  # a batch is held or released, never both
         self.reputation = Reputation(
             s.trust,
             buffer_capacity=s.learner.buffer_batches,
             buffered_new=self._held_new,
             on_ban=self._on_ban,
             checks=s.adapter is None,  # adapter runs are not spot-checked (_make_spot_check)
+            held=self.held.of,
+            save=self.ledger.save_author,
         )
+        self.reputation.load_records(
+            self.ledger.authors()
+        )  # records, strikes, probation: as before a restart
         self.reputation.load_bans(self.ledger.bans())
         self.replays = ReplayIndex()
         self.spot_check = self._make_spot_check()
@@ -234,8 +248,7 @@ class Learner:
 
     def _held_new(self) -> int:
         """Batches of authors without a record, held on probation (bounded in all)."""
-        with self._probation_lock:
-            return sum(len(v) for v in self.probation.values())
+        return self.held.count(lambda author: not self.reputation.has_record(author))
 
     def _check_rows(self, body: dict, _author: bytes) -> str | None:
         s = self.settings
@@ -260,27 +273,27 @@ class Learner:
         banned = self.reputation.strike(author, f"{check}: {reason}", checked=check == "spot check")
         if banned is not None or self.reputation.check_banned({}, author) is not None:
             return
-        with self._probation_lock:  # a strike on probation: what it holds was never trained on, and goes
-            held = self.probation.pop(author, [])
-        if held:
-            self.ledger.drop(
-                [b.batch_id for b in held], f"held on probation when struck: {reason}", time.time()
-            )
+        # a strike retracts what the author sent and is not trained on: the batches held for it (no check
+        # vouched for them) and those waiting in the buffer
+        with self._hold_lock:
+            gone = [b.batch_id for b in self.held.take(author)] + self.buffer.drop_author(author)
+        if gone:
+            self.ledger.drop(gone, f"not yet trained on when its author was struck: {reason}", time.time())
         log.info(
             "strike against %s (%s: %s)%s",
             author.hex()[:16],
             check,
             reason,
-            f"; dropped the {len(held)} batch(es) held on probation" if held else "",
+            f"; dropped its {len(gone)} batch(es) not yet trained on" if gone else "",
         )
 
     def _on_ban(self, author: bytes, reason: str) -> None:
         """Ban ``author`` for the run: what it sent and is not trained on yet goes; the ledger says so."""
         now = time.time()
         self.ledger.ban(author, reason, now)
-        with self._probation_lock:
-            self.probation.pop(author, None)
-        self.buffer.drop_author(author)
+        with self._hold_lock:
+            self.held.take(author)
+            self.buffer.drop_author(author)
         dropped = self.ledger.drop(self.ledger.pending_of(author), f"author banned: {reason}", now)
         log.warning(
             "banned %s for the run (%s); dropped %d of its batches not yet trained on",
@@ -301,16 +314,79 @@ class Learner:
         self.reputation.accepted(body, author)
         self.replays.add(body, author)
         item = Buffered(body["batch_id"], author, body, time.time())
-        with self._probation_lock:
-            if self.reputation.check_banned(body, author) is not None:  # banned while this was checked
+        self._admit(item, vouched=self.reputation.take_vouched(item.batch_id))
+
+    def _admit(self, item: Buffered, vouched: bool) -> None:
+        """An accepted batch (fresh, or replayed after a restart) to training or held: released with what
+        its author holds if a check of it passed and the author has a record; else held until one does."""
+        author = item.author
+        with self._hold_lock:
+            if self.reputation.check_banned(item.body, author) is not None:  # banned while it was checked
                 self.ledger.drop([item.batch_id], "author banned", time.time())
                 return
-            if not self.reputation.has_record(author):  # held out of training until it has a record
-                self.probation[author].append(item)
+            if not (vouched and self.reputation.has_record(author)):
+                self.held.hold(item)
                 return
-            released = self.probation.pop(author, [])
-        for b in [*released, item]:
-            self.buffer.put(b)
+            self._release_held(author, item)
+
+    def _release_held(self, author: bytes, *also: Buffered) -> None:
+        """What ``author`` holds (and ``also``) to training, the ledger told first (a restart replays them
+        to training too)."""
+        with self._hold_lock:
+            released = [*self.held.take(author), *also]
+            if released:
+                self.ledger.mark_released([b.batch_id for b in released])
+            for b in released:
+                self.buffer.put(b)
+
+    # ---- the release sweep (a thread of its own): held batches whose author went quiet ----
+
+    def _sweep(self) -> None:
+        """Every second: an author with a record whose oldest held batch waited ``trust.hold_s`` (it sent
+        nothing since that would have been checked) has its newest held batch checked here; now and then,
+        records never earned expire, with what they hold."""
+        last_expiry = time.monotonic()
+        while not self.rt.stop.wait(SWEEP_EVERY_S):
+            try:
+                for author in self.held.authors():
+                    self._check_quiet(author)
+                if time.monotonic() - last_expiry >= EXPIRE_EVERY_S:
+                    last_expiry = time.monotonic()
+                    self._expire()
+            except Exception:  # a sweep that fails is retried; it must not take the learner down
+                log.exception("release sweep failed")
+
+    def _check_quiet(self, author: bytes) -> None:
+        n, oldest = self.held.of(author)
+        newest = self.held.newest(author)
+        quiet = oldest is not None and time.time() - oldest >= self.settings.trust.hold_s
+        if not quiet or newest is None or self.spot_check is None or not self.reputation.has_record(author):
+            return  # (an author without a record has every batch checked as it arrives)
+        if self.reputation.check_banned({}, author) is not None:
+            return
+        verdict = self.spot_check.check(newest.body, author)
+        if verdict.reason is None:
+            self.reputation.take_vouched(newest.batch_id)
+            self._release_held(author)
+            return
+        self.admission.count_refusal("spot check (held)")
+        if verdict.strike:  # the strike drops what the author holds, this batch with it
+            self._on_strike(author, "spot check", verdict.reason)
+            return
+        with self._hold_lock:  # its version is gone: too stale to check, or to train on
+            gone = [b.batch_id for b in self.held.take(author)]
+        self.ledger.drop(gone, f"held and no longer checkable: {verdict.reason}", time.time())
+        log.info("dropped %d held batch(es) of %s: %s", len(gone), author.hex()[:16], verdict.reason)
+
+    def _expire(self) -> None:
+        for author in self.reputation.expire():
+            with self._hold_lock:
+                gone = [b.batch_id for b in self.held.take(author)]
+            if gone:
+                self.ledger.drop(gone, "its author never earned a record and went quiet", time.time())
+            log.info(
+                "forgot %s (no record earned, quiet); dropped %d held batch(es)", author.hex()[:16], len(gone)
+            )
 
     def _continue_after_published(self, saved_step: int) -> None:
         """Versions published after the last save (saves are every ``learner.save_every_s``) were made from
@@ -334,14 +410,23 @@ class Learner:
             atomic_write(path, "".join(line + "\n" for line in kept))
 
     def _replay(self, saved_step: int) -> int:
+        """Accepted batches not in the saved state go through the same admission as when they arrived: a
+        banned author's are dropped, those released before (vouched for, or trained on) go to training,
+        the rest are held again until a check vouches for them (the records came back with the ledger)."""
         items = self.ledger.pending(applied_after=saved_step)
+        held = 0
         for it in items:
             _, body, author = decode(it.data, "TrajectoryBatch", run_id=self.settings.run_id)
-            self.reputation.accepted(body, author)
+            self.reputation.accepted(body, author, count=False)
             self.replays.add(body, author)
-            self.buffer.put(Buffered(it.batch_id, author, body, it.received_at))
+            self._admit(Buffered(it.batch_id, author, body, it.received_at), vouched=it.released)
+            held += not it.released
         if items:
-            log.info("replaying %d accepted batch(es) not in my saved state", len(items))
+            log.info(
+                "replaying %d accepted batch(es) not in my saved state (%d held until a check vouches)",
+                len(items),
+                held,
+            )
         return len(items)
 
     # ---- checkpoints ----
@@ -509,6 +594,7 @@ class Learner:
         return {
             **check,
             "trust/banned": len(self.reputation.bans()),
+            "trust/held": len(self.held),  # accepted, waiting for a check to vouch for them
             "trust/deferred_new": self.reputation.deferred_new,
         }
 
@@ -552,6 +638,8 @@ class Learner:
         self._publish_now(with_state=False)  # version 0 (or the step resumed at) before anyone can sample
         self.rt.start_thread("checkpoint publisher", self.publisher.run)
         self.rt.start_thread("batch assembler", self.assembler.run)
+        if self.spot_check is not None:
+            self.rt.start_thread("release sweep", self._sweep)
         self.rt.stop.on_set(self.assembler.close)  # wakes the training thread waiting for its next batch
         self.node.call(self.receiver.attach(self.node))
         log.info(
@@ -600,6 +688,7 @@ class Learner:
                 self._publish_now(with_state=True)
         except Exception as e:
             log.warning("final checkpoint not published: %s", e)
+        self.reputation.save_all()
         self._write_final_stats()
         # a dead daemon announces nothing: leave at once (the state is saved)
         if self.node.daemon_alive() and not self.announcer.wait_idle(ANNOUNCE_TIMEOUT_S):

@@ -59,6 +59,11 @@ class Admission:
         self.deferred: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()  # called from the intake pool's threads
 
+    def count_refusal(self, name: str) -> None:
+        """A refusal made outside the chain (a held batch checked later)."""
+        with self._lock:
+            self.refused[name] += 1
+
     def __call__(self, body: dict, author: bytes) -> str | Deferral | None:
         for name, check in self.checks:
             outcome = check(body, author)

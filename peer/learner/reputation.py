@@ -14,6 +14,14 @@
 - **Version claims.** Ordered by the batches' signed timestamps, an author's claimed versions never go back: a
   batch stamped later than another of the same author may not claim an older version (out-of-order delivery
   of honest batches stays fine).
+- **Holding.** Batches are trained only once vouched for: an author with a record has its unchecked batches
+  held out of training until one of its later batches passes a check (the learner releases them then, and a
+  strike drops them). So a sleeper, honest for a while and hostile from some batch on, has its hostile
+  batches held until the next check, which is of a hostile batch. Checks come at ``check_rate``, and also
+  when the author holds ``hold_batches - 1`` batches or its oldest held one waited ``hold_s``.
+- **Durable.** Each record is saved (``save(author, record)``) when a check or strike changes it and loaded
+  back after a restart (:meth:`load_records`); a record never earned expires after ``record_expiry_s``
+  without a batch (:meth:`expire`).
 - **Typicality over time.** Each checked batch's typicality sums are added to the author's (the last ~100
   checked batches weigh, :data:`Z_DECAY`), so a bias per batch (a wrong temperature) adds up to a refusal,
   and an honest engine's own small one does not over a long run.
@@ -43,11 +51,14 @@ SUSPICIOUS_Z = 3.0
 # last ~1 / (1 - Z_DECAY) = 100 checked batches. Honest bfloat16 engines lean by up to ~0.2 per batch (z of a
 # batch; docs/trust.md), which over all of a long run's checks would cross any threshold; over 100 it is ~2
 Z_DECAY = 0.99
+VOUCHED_KEPT = 4096  # batch ids that passed a check and are not yet accepted (the learner takes each at once)
 NEW_AUTHOR_RETRY_S = 5.0  # how long a deferred author without a record waits: a flood's retries cost intake
 
 
 @dataclasses.dataclass
 class AuthorRecord:
+    """One author's standing; every field persists (:meth:`to_json` / :meth:`from_json`)."""
+
     accepted: int = 0
     checked: int = 0
     passed: int = 0
@@ -58,6 +69,18 @@ class AuthorRecord:
     claims: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # sorted by timestamp
     z_num: float = 0.0  # Σ (surprise - entropy) over checked tokens
     z_var: float = 0.0  # Σ variance over the same
+    earned: bool = False  # had a record once (such a record never expires)
+    last_seen: float = 0.0  # wall time of its last accepted batch or check
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> AuthorRecord:
+        known = {f.name for f in dataclasses.fields(cls)}
+        r = cls(**{k: v for k, v in d.items() if k in known})
+        r.claims = sorted((float(t), int(v)) for t, v in r.claims)
+        return r
 
 
 class Reputation:
@@ -71,10 +94,16 @@ class Reputation:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         checks: bool = True,
+        held: Callable[[bytes], tuple[int, float | None]] = lambda author: (0, None),
+        save: Callable[[bytes, dict | None], None] = lambda author, record: None,
+        wall: Callable[[], float] = time.time,
     ):
         """``checks=False``: nothing is spot-checked (an adapter run), so no author can earn a record: every
-        author counts as having one (no probation, no rate limit for new authors)."""
-        self.checks = checks
+        author counts as having one (no probation, no rate limit for new authors, nothing held).
+        ``held(author)``: how many of its batches the learner holds and the oldest one's wall time;
+        ``save(author, record or None)`` persists a record (None: forget it)."""
+        self.checks, self.held, self.save, self.wall = checks, held, save, wall
+        self._vouched: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.trust, self.buffer_capacity, self.buffered_new = trust, buffer_capacity, buffered_new
         self.on_ban, self.clock = on_ban, clock
         self.rng = rng or random.SystemRandom()  # unpredictable: a sampler cannot tell which batch is checked
@@ -126,6 +155,41 @@ class Reputation:
                 }
                 for a, r in self._authors.items()
             }
+
+    def load_records(self, records: dict[bytes, dict]) -> None:
+        """Records saved before a restart (bans are loaded from the ledger's own table)."""
+        with self._lock:
+            for author, d in records.items():
+                banned = self._authors[author].banned if author in self._authors else None
+                self._authors[author] = AuthorRecord.from_json(d)
+                self._authors[author].banned = self._authors[author].banned or banned
+
+    def save_all(self) -> None:
+        """Persist every record (on leaving: the accepted counts and claims saved with the checks lag)."""
+        with self._lock:
+            records = [(a, r.to_json()) for a, r in self._authors.items()]
+        for a, d in records:
+            self.save(a, d)
+
+    def expire(self) -> list[bytes]:
+        """Forget authors that never earned a record, are not banned and sent nothing for
+        ``record_expiry_s`` (throw-away keys); returns them (the learner drops what it holds of theirs)."""
+        cutoff = self.wall() - self.trust.record_expiry_s
+        with self._lock:
+            gone = [
+                a
+                for a, r in self._authors.items()
+                if not r.earned and r.banned is None and r.last_seen < cutoff
+            ]
+            for a in gone:
+                del self._authors[a]
+        for a in gone:
+            self.save(a, None)
+        return gone
+
+    def _saved(self, author: bytes, r: AuthorRecord) -> None:
+        """Persist ``r`` (called under the lock: the save is the ledger's short transaction)."""
+        self.save(author, r.to_json())
 
     def load_bans(self, bans: dict[bytes, str]) -> None:
         """Bans recorded before a restart."""
@@ -180,11 +244,31 @@ class Reputation:
     # ---- outcomes ----
 
     def should_check(self, author: bytes) -> bool:
+        """Whether the author's next batch is checked: all of them while it has no record or leans one
+        way; else at ``check_rate``, and always when the batches held for it are many or old enough
+        (its held batches are released only by a check that passes)."""
         with self._lock:
             r = self._authors.get(author) or AuthorRecord()
             dense = not self._has_record(r) or self._suspicious(r)
             rate = 1.0 if dense else self.trust.check_rate
-        return rate >= 1.0 or self.rng.random() < rate
+        if rate >= 1.0:
+            return True
+        n, oldest = self.held(author)
+        t = self.trust
+        if n >= t.hold_batches - 1 or (oldest is not None and self.wall() - oldest >= t.hold_s):
+            return True
+        return self.rng.random() < rate
+
+    def take_vouched(self, batch_id: bytes) -> bool:
+        """Whether ``batch_id`` passed a check (once: the learner asks as it accepts the batch). Always
+        True without checks."""
+        if not self.checks:
+            return True
+        with self._lock:
+            if bytes(batch_id) not in self._vouched:
+                return False
+            del self._vouched[bytes(batch_id)]
+            return True
 
     def typicality_z(self, author: bytes, num: float, var: float) -> float:
         """The author's typicality z over its checked batches so far and this one (not yet added)."""
@@ -193,7 +277,8 @@ class Reputation:
             total = Z_DECAY * r.z_var + var
             return (Z_DECAY * r.z_num + num) / math.sqrt(total) if total > 0 else 0.0
 
-    def passed_check(self, author: bytes, num: float, var: float) -> None:
+    def passed_check(self, author: bytes, num: float, var: float, batch_id: bytes | None = None) -> None:
+        """A check of ``batch_id`` passed: it vouches for the author's batches held before it."""
         with self._lock:
             r = self._authors[author]
             r.checked += 1
@@ -201,13 +286,24 @@ class Reputation:
             r.dense_left = max(0, r.dense_left - 1)
             r.z_num = Z_DECAY * r.z_num + num  # a window of ~100 checked batches, not all of them:
             r.z_var = Z_DECAY * r.z_var + var  # an engine's own small bias must not add up over a long run
+            r.earned = r.earned or self._has_record(r)
+            r.last_seen = self.wall()
+            if batch_id is not None:
+                self._vouched[bytes(batch_id)] = None
+                while len(self._vouched) > VOUCHED_KEPT:
+                    self._vouched.popitem(last=False)
+            self._saved(author, r)
 
-    def accepted(self, body: dict, author: bytes) -> None:
+    def accepted(self, body: dict, author: bytes, *, count: bool = True) -> None:
+        """A batch of the author's was accepted (``count=False``: replayed after a restart, counted then)."""
         with self._lock:
             r = self._authors[author]
-            r.accepted += 1
-            bisect.insort(r.claims, (float(body["timestamp"]), int(body["policy_version"])))
-            del r.claims[:-CLAIMS_KEPT]
+            r.accepted += int(count)
+            r.last_seen = self.wall()
+            claim = (float(body["timestamp"]), int(body["policy_version"]))
+            if claim not in r.claims:
+                bisect.insort(r.claims, claim)
+                del r.claims[:-CLAIMS_KEPT]
 
     def strike(self, author: bytes, reason: str, *, checked: bool = True) -> str | None:
         """Count a refused batch; returns the ban's reason if this strike banned the author."""
@@ -220,10 +316,13 @@ class Reputation:
             r.checked += int(checked)
             r.dense_left = t.record_batches
             r.last_reason = reason
+            r.last_seen = self.wall()
             share = r.strikes / max(1, r.checked)
             if r.strikes < t.ban_strikes or share < t.ban_strike_share:
+                self._saved(author, r)
                 return None
             r.banned = f"{r.strikes} refused batches of {r.checked} checked; last: {reason}"[:200]
             banned = r.banned
+            self._saved(author, r)
         self.on_ban(author, banned)
         return banned

@@ -51,6 +51,12 @@ class RowStats:
     variance: Tensor  # Σ Var_p[log p] over the same tokens
     outside: Tensor  # tokens outside the (slackened) top-p nucleus
     reproduced: Tensor | None = None  # seeded rows: tokens the row's seed reproduces (Gumbel-max)
+    # seeded rows: the largest Gumbel-max margin of a token its seed does not reproduce (0: all reproduced)
+    seed_margin: Tensor | None = None
+
+    def row_logprob_gap_mean(self) -> Tensor:
+        """Each row's mean |log q - log π| over its tokens."""
+        return self.logprob_gap / self.tokens.clamp_min(1)
 
     def reproduced_share(self) -> float | None:
         """Share of the batch's tokens its seeds reproduce (None: not seeded)."""
@@ -118,9 +124,12 @@ def row_stats(
     for i, d in enumerate(torch.split(tok["dev"].double().cpu(), tokens.tolist())):
         if len(d):
             med[i], dmax[i] = d.median(), d.max()
-    reproduced = None if seeds is None else _reproduced(logits, targets, valid, seeds, temperature, top_p)
+    reproduced = margin = None
+    if seeds is not None:
+        reproduced, margin = _reproduced(logits, targets, valid, seeds, temperature, top_p)
     return RowStats(
         reproduced=reproduced,
+        seed_margin=margin,
         tokens=tokens.double(),
         logprob_dev_median=med,
         logprob_dev_max=dmax,
@@ -134,17 +143,29 @@ def row_stats(
 
 def _reproduced(
     logits: Tensor, targets: Tensor, valid: Tensor, seeds: list[int], temperature: float, top_p: float
-) -> Tensor:
-    """Per row: positions where argmax(log p + g(seed, step)) is the row's token."""
+) -> tuple[Tensor, Tensor]:
+    """Per row: positions where argmax(log p + g(seed, step)) is the row's token, and the largest margin
+    ``max_y (log p(y) + g_y) - (log p(x) + g_x)`` of a token ``x`` it does not reproduce. An honest engine of
+    another dtype misses only near-ties (a margin within its float noise of 0); a token drawn from anything
+    else lies anywhere. A token in the slack band at the nucleus' edge is scored as if inside it (its
+    un-truncated log-prob, shifted by the nucleus' renormalisation)."""
     out = torch.zeros(len(seeds), dtype=torch.float64)
+    margins = torch.zeros(len(seeds), dtype=torch.float64)
     for i, seed in enumerate(seeds):
         n = int(valid[i].sum())
         if n == 0:
             continue
         logp = nucleus_logprobs(logits[i, :n], temperature, top_p)
         noise = torch.stack([gumbel_noise(seed, t, logp.shape[-1]) for t in range(n)]).to(logp.device)
-        out[i] = float(((logp + noise).argmax(-1) == targets[i, :n]).sum())
-    return out
+        best, drawn = (logp + noise).max(-1)
+        x = targets[i, :n].long()
+        out[i] = float((drawn == x).sum())
+        plain = torch.log_softmax(logits[i, :n].float() / temperature, -1)
+        shift = (logp - plain).gather(-1, drawn[:, None])[:, 0]  # -log(nucleus mass): 0 at top-p 1
+        mine = plain.gather(-1, x[:, None])[:, 0] + shift + noise.gather(-1, x[:, None])[:, 0]
+        gap = torch.where(drawn == x, torch.zeros_like(best), best - mine)
+        margins[i] = float(gap.max())
+    return out, margins
 
 
 TOKENS_ELEMENTS = 2**25  # float32 logits per chunk of tokens (128 MiB)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from heterorl.protocol.settings import TrustSettings
 from heterorl.protocol.wire.checkpoint import deserialize_state_dict
@@ -48,7 +49,9 @@ class Verdict:
 
 
 def judge(stats: RowStats, trust: TrustSettings, author_z: float | None = None) -> str | None:
-    """Why a checked batch is refused, or None (pure: the thresholds are the run's ``[trust]``)."""
+    """Why a checked batch is refused, or None (pure: the thresholds are the run's ``[trust]``). The batch as
+    a whole first, then each row on its own (a batch with one foreign row among honest ones)."""
+    n = len(stats.tokens)
     dev = stats.batch_logprob_dev_median()
     if dev > trust.max_logprob_dev:
         return f"behaviour log-probs disagree with the recomputation (median exp|Δ|-1 {dev:.3f})"
@@ -68,14 +71,38 @@ def judge(stats: RowStats, trust: TrustSettings, author_z: float | None = None) 
         return f"tokens {likely} likely than the run's sampling makes them (z = {z:+.1f})"
     if trust.min_reproduced > 0:
         share = stats.reproduced_share()
-        if share is None:
+        if share is None or stats.seed_margin is None:
             return "the run asks for seeded sampling and the batch's rows are not seeded"
         if share < trust.min_reproduced:
             return f"its seeds reproduce {share:.0%} of its tokens (the run asks {trust.min_reproduced:.0%})"
+        row, margin = _worst(stats.seed_margin)
+        if margin > trust.max_seed_margin:
+            return (
+                f"row {row}'s seed does not reproduce one of its tokens, by a margin of {margin:.2f} (more "
+                "than an engine's near-ties)"
+            )
+    # each row on its own: one foreign row among honest ones barely moves the batch's figures
+    row, gap = _worst(stats.row_logprob_gap_mean())
+    if gap > trust.max_row_logprob_gap:
+        return f"row {row}'s behaviour log-probs disagree with the recomputation (mean |Δ| {gap:.3f})"
+    zs = stats.typicality_z()
+    row, _ = _worst(zs.abs())
+    z = float(zs[row]) if n else 0.0
+    if abs(z) > trust.max_row_typicality_z:
+        likely = "less" if z > 0 else "more"
+        return f"row {row}'s tokens are {likely} likely than the run's sampling makes them (z = {z:+.1f})"
     if author_z is not None and abs(author_z) > trust.max_typicality_z:
         likely = "less" if author_z > 0 else "more"
         return f"its checked tokens together are {likely} likely than sampled ones (z = {author_z:+.1f})"
     return None
+
+
+def _worst(values: Tensor) -> tuple[int, float]:
+    """The row with the largest value and the value (0, 0.0 for no rows)."""
+    if not len(values):
+        return 0, 0.0
+    row = int(values.argmax())
+    return row, float(values[row])
 
 
 class VersionWeights:
@@ -148,13 +175,18 @@ class SpotCheck:
     def __call__(self, body: dict, author: bytes) -> str | Refusal | None:
         if not self.reputation.should_check(author):
             return None
+        verdict = self.check(body, author)
+        return None if verdict.reason is None else Refusal(verdict.reason, verdict.strike)
+
+    def check(self, body: dict, author: bytes) -> Verdict:
+        """Verify a batch now and count a pass in the author's record (the batch then vouches for the
+        author's batches held before it); a refusal is the caller's to count."""
         verdict = self.verify(body, author)
         self.last = verdict
         if verdict.reason is None:
             s = verdict.stats
-            self.reputation.passed_check(author, s["z_num"], s["z_var"])
-            return None
-        return Refusal(verdict.reason, verdict.strike)
+            self.reputation.passed_check(author, s["z_num"], s["z_var"], batch_id=body["batch_id"])
+        return verdict
 
     def verify(self, body: dict, author: bytes) -> Verdict:
         """Recompute and judge one batch (counted in ``seconds``)."""
@@ -189,6 +221,9 @@ class SpotCheck:
                 "z_var": var,
                 "tokens": float(stats.tokens.sum()),
                 "reproduced": stats.reproduced_share(),
+                "row_logprob_gap_max": _worst(stats.row_logprob_gap_mean())[1],
+                "row_abs_z_max": _worst(stats.typicality_z().abs())[1],
+                "seed_margin_max": None if stats.seed_margin is None else _worst(stats.seed_margin)[1],
             }
             return Verdict(reason, stats=summary)
         finally:

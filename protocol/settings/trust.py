@@ -32,6 +32,20 @@ class TrustSettings:
     max_row_logprob_dev: float = setting(
         1.0, "refuse a batch holding any row whose median exp(|log q - log π|) - 1 exceeds this"
     )
+    max_row_logprob_gap: float = setting(
+        0.05, "refuse a batch holding any row whose mean |log q - log π| over its tokens exceeds this"
+    )
+    max_row_typicality_z: float = setting(
+        12.0,
+        "refuse a batch holding any row whose own token choices are this many standard deviations more or "
+        "less likely than the run's sampling makes them (one foreign row hides in the batch's z)",
+    )
+    max_seed_margin: float = setting(
+        0.5,
+        "in a run that asks for seeded sampling, refuse a batch holding any row with a token its seed does "
+        "not reproduce by more than this Gumbel-max margin (nats): an honest engine of another dtype misses "
+        "only near-ties",
+    )
     max_typicality_z: float = setting(
         6.0,
         "refuse a batch whose token choices are this many standard deviations more or less likely than "
@@ -57,6 +71,19 @@ class TrustSettings:
         "batches of authors without a record held on probation, as a share of learner.buffer_batches (at "
         "least 2 × record_batches); more are deferred",
     )
+    hold_batches: int = setting(
+        16,
+        "an author with a record has its unchecked batches held out of training until one of its later "
+        "batches passes a check; at most this many: the next one is checked (1: every batch is checked)",
+    )
+    hold_s: float = setting(
+        20.0,
+        "... nor longer than this: a batch arriving after its author's oldest held one waited this long is "
+        "checked, and an author gone quiet has its newest held batch checked",
+    )
+    record_expiry_s: float = setting(
+        900.0, "an author that never earned a record and sent nothing for this long is forgotten"
+    )
     check_versions: int = setting(
         8, "published versions the checker keeps in memory, in the checkpoint dtype (others are read back)"
     )
@@ -71,8 +98,13 @@ class TrustSettings:
             "max_logprob_dev",
             "max_logprob_gap",
             "max_row_logprob_dev",
+            "max_row_logprob_gap",
+            "max_row_typicality_z",
+            "max_seed_margin",
             "max_typicality_z",
             "new_author_batches_per_s",
+            "hold_s",
+            "record_expiry_s",
         )
         for name in positive:
             check_number(f"trust.{name}", getattr(self, name), 0)
@@ -81,3 +113,4 @@ class TrustSettings:
         check_int("trust.record_batches", self.record_batches, 0)
         check_int("trust.ban_strikes", self.ban_strikes, 1)
         check_int("trust.check_versions", self.check_versions, 1)
+        check_int("trust.hold_batches", self.hold_batches, 1)

@@ -10,8 +10,10 @@ outbox's, so opening the wrong file fails clearly). Each batch moves from *pendi
 trained on) to *applied at learner step N* via :meth:`~AcceptedLog.mark_applied`. A learner that restarts
 from a checkpoint taken at step N calls ``pending(applied_after=N)``: batches applied after its last saved
 state are un-marked and handed back with the never-applied ones, so none is lost and none is applied twice.
-:meth:`~AcceptedLog.prune_applied` drops the payloads of batches no checkpoint restart can need any more but
-keeps their ids, so dedupe still holds.
+Which accepted batches were released to training (:meth:`~AcceptedLog.mark_released`) and each author's
+record (:meth:`~AcceptedLog.save_author`) are kept beside them, so a restart holds again what no check
+vouched for. :meth:`~AcceptedLog.prune_applied` drops the payloads of batches no checkpoint restart can need
+any more but keeps their ids, so dedupe still holds.
 
 Pure storage: no sockets, no asyncio. Every operation holds one lock, so an ``asyncio.to_thread`` worker and
 the main thread may share an instance. Not here: flow control (the receiver's ``has_room``), decoding or
@@ -21,6 +23,7 @@ verifying the batches (see :mod:`protocol.wire.messages`, :mod:`protocol.net.tra
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import sqlite3
 from collections.abc import Iterable
@@ -53,6 +56,10 @@ DROPPED = -1
 _ADDED = (
     "CREATE TABLE IF NOT EXISTS dropped (batch_id BLOB PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL)",
     "CREATE TABLE IF NOT EXISTS bans (author BLOB PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL)",
+    # batches released to training (vouched for by a check); the others a restart holds again
+    "CREATE TABLE IF NOT EXISTS released (batch_id BLOB PRIMARY KEY)",
+    # what the learner knows of each author (its record, strikes, probation), as JSON
+    "CREATE TABLE IF NOT EXISTS authors (author BLOB PRIMARY KEY, record TEXT NOT NULL)",
 )
 
 
@@ -66,9 +73,13 @@ class LedgerItem:
     data: bytes
     received_at: float
     applied_step: int | None
+    released: bool = False  # released to training (trained on, or vouched for by a check)
 
 
-_ITEM_COLUMNS = "batch_id, author, policy_version, coalesce(data, x''), received_at, applied_step"
+_ITEM_COLUMNS = (
+    "batch_id, author, policy_version, coalesce(data, x''), received_at, applied_step,"
+    " EXISTS (SELECT 1 FROM released r WHERE r.batch_id = batches.batch_id)"
+)
 
 
 class AcceptedLog(SqliteStore):
@@ -123,6 +134,31 @@ class AcceptedLog(SqliteStore):
         """Authors banned for the run, and why (they stay banned across restarts)."""
         with self._txn() as conn:
             return dict(conn.execute("SELECT author, reason FROM bans").fetchall())
+
+    # -- releasing and authors' records -------------------------------------------------------------------
+
+    def mark_released(self, batch_ids: Iterable[bytes]) -> None:
+        """These batches go to training: a restart replays them to the buffer, not to the held ones."""
+        with self._txn() as conn:
+            conn.executemany(
+                "INSERT OR IGNORE INTO released (batch_id) VALUES (?)", [(bytes(b),) for b in batch_ids]
+            )
+
+    def save_author(self, author: bytes, record: dict | None) -> None:
+        """Persist an author's record (JSON-able), or forget it (None)."""
+        with self._txn() as conn:
+            if record is None:
+                conn.execute("DELETE FROM authors WHERE author = ?", (bytes(author),))
+            else:
+                conn.execute(
+                    "INSERT OR REPLACE INTO authors (author, record) VALUES (?, ?)",
+                    (bytes(author), json.dumps(record)),
+                )
+
+    def authors(self) -> dict[bytes, dict]:
+        with self._txn() as conn:
+            rows = conn.execute("SELECT author, record FROM authors").fetchall()
+        return {a: json.loads(r) for a, r in rows}
 
     # -- receiving -----------------------------------------------------------------------------------------
 
@@ -193,6 +229,11 @@ class AcceptedLog(SqliteStore):
         with self._txn() as conn:
             if applied_after is not None:
                 after = int(applied_after)
+                conn.execute(  # trained on, so released: replayed to training again
+                    "INSERT OR IGNORE INTO released (batch_id)"
+                    " SELECT batch_id FROM batches WHERE applied_step > ? AND data IS NOT NULL",
+                    (after,),
+                )
                 conn.execute(
                     "UPDATE batches SET applied_step = NULL WHERE applied_step > ? AND data IS NOT NULL",
                     (after,),
@@ -218,6 +259,11 @@ class AcceptedLog(SqliteStore):
         Returns how many payloads were dropped. The file's freed pages are reused by later batches.
         """
         with self._txn() as conn:
+            conn.execute(  # never replayed again: whether it was released no longer matters
+                "DELETE FROM released WHERE batch_id IN"
+                " (SELECT batch_id FROM batches WHERE applied_step < ? AND data IS NOT NULL)",
+                (int(before_step),),
+            )
             return conn.execute(
                 "UPDATE batches SET data = NULL, size = 0 WHERE applied_step < ? AND data IS NOT NULL",
                 (int(before_step),),
