@@ -33,7 +33,7 @@ class TrustSettings:
         1.0, "refuse a batch holding any row whose median exp(|log q - log π|) - 1 exceeds this"
     )
     max_row_logprob_gap: float = setting(
-        0.05, "refuse a batch holding any row whose mean |log q - log π| over its tokens exceeds this"
+        0.3, "refuse a batch holding any row whose mean |log q - log π| over its tokens exceeds this"
     )
     max_row_typicality_z: float = setting(
         12.0,
@@ -41,7 +41,7 @@ class TrustSettings:
         "less likely than the run's sampling makes them (one foreign row hides in the batch's z)",
     )
     max_seed_margin: float = setting(
-        0.5,
+        1.5,
         "in a run that asks for seeded sampling, refuse a batch holding any row with a token its seed does "
         "not reproduce by more than this Gumbel-max margin (nats): an honest engine of another dtype misses "
         "only near-ties",
