@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
         (
             "trust",
             "trust",
-            "hostile samplers (forged log-probs, other models, backdoors, replays, a flood) vs the checks",
+            "hostile samplers (forged log-probs, other models, one foreign row, a sleeper, a restart, "
+            "a flood) vs the checks",
         ),
         (
             "trust-calibration",

@@ -3,12 +3,21 @@
 Each attack (:mod:`heterorl.testing.attacks`, or any ``--attack module:function``) meets a fresh run of the
 tiny model: a coordinator, a learner and honest samplers of mixed engines (``--honest``, default hf/float32
 and hf/bfloat16); after a baseline of honest data alone, the attack joins as a sampler process of its own
-for a phase. Per attack it reports the share of the hostile rows that reached training
-(``reached_training_frac``), whether the author was banned (``banned``, and why), and the reward during its
-phase beside the baseline's. A flood is measured by the honest samplers' intake during it against the
-baseline before it (``honest_intake_kept``). For the honest samplers: the share of their batches refused
-(``honest_false_refusal``) and how many were banned (``honest_banned``). ``check_time_frac`` is the checks'
-time over the learner's wall time during the baseline (the default rates, no attacker).
+for a phase. A control run comes first: the same baseline and phase with no attacker (``control``).
+
+Per attack it reports the share of the hostile rows that reached training (``reached_training_frac``),
+whether the author was banned (``banned``, and why), and the reward during its phase beside the baseline's.
+The attacker lists the batches it changed (a sleeper's honest batches are not among them); the learner's
+ledger says which of those it trained on: ``hostile_batches_sent``, ``hostile_batches_trained`` and
+``hostile_trained_frac``. The held-out evaluation (``eval/sampled``, every ``learner.eval_every`` = 10
+updates) gives ``eval_baseline`` (the last before the attacker joined) and ``eval_end`` (the last during its
+phase, or the first after it), beside the control's ``eval_end``. For ``probation-restart`` the learner is
+restarted (SIGTERM, then started again on its state dir) once it accepted a few of the attacker's batches,
+all still held on probation (``learner_restarted``). A flood is measured by the honest samplers' intake
+during it against the baseline before it (``honest_intake_kept``). For the honest samplers: the share of
+their batches refused (``honest_false_refusal``) and how many were banned (``honest_banned``).
+``check_time_frac`` is the checks' time over the learner's wall time during the baselines (the default
+rates, no attacker).
 
 Samplers and attackers run at ``nice 10`` and the flood at ``nice 19``, as if on machines of their own: on
 these two shared cores, an attacker's CPU would otherwise slow the honest samplers, which is not what the
@@ -21,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import sqlite3
 import statistics
 import tempfile
 import time
@@ -39,13 +49,22 @@ DEFAULT_ATTACKS = (
     "perturbed-weights",
     "stale-claim",
     "replay",
+    "sparse-foreign",
+    "sleeper",
+    "probation-restart",
     "flood",
 )
+CONTROL = "none"  # the control run's name: no attacker
+EVAL_EVERY = 10  # learner.eval_every of the bench's runs: several held-out evaluations per phase
+# probation-restart: the learner restarts once it accepted this many of the attacker's batches
+RESTART_AFTER_ACCEPTED = 3
+
 SEEDED_MIN_REPRODUCED = 0.9
 # the run's thresholds for the tiny model and its hf engines, as a host calibrates its run (docs/trust.md):
 # the worst honest hf bfloat16 batch's mean |Δ log-prob| is 0.010 there (0 in float32), so 0.02, not the
-# 0.15 a 135M model in bfloat16 on vLLM needs
-TINY_TRUST = {"max_logprob_gap": 0.02}
+# 0.15 a 135M model in bfloat16 on vLLM needs; its worst row's 0.040 (0.1, not 0.3); its worst seeded token
+# missed by a margin of 0.003 (0.1, not the 1.5 SmolLM2's hf bfloat16 needs)
+TINY_TRUST = {"max_logprob_gap": 0.02, "max_row_logprob_gap": 0.1, "max_seed_margin": 0.1}
 
 
 def run_trust(seeded: bool) -> str:
@@ -58,11 +77,19 @@ ENGINES = ("hf/float32", "hf/bfloat16", "vllm/float32", "vllm/bfloat16")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.epilog = (
+        f"A control run with no attacker ({CONTROL!r}) comes first. Per attack: reached_training_frac, "
+        "banned, hostile_batches_sent and hostile_batches_trained (the attacker's changed batches that "
+        "the learner's ledger says it trained on), eval_end beside eval_baseline and the control's "
+        "eval_end; probation-restart restarts the learner while the attacker is on probation "
+        "(learner_restarted); a flood: honest_intake_kept."
+    )
     ap.add_argument(
         "--attack",
         action="append",
         metavar="NAME|MODULE:FUNCTION",
-        help=f"an attack to run (repeatable; default: every built-in: {', '.join(DEFAULT_ATTACKS)})",
+        help=f"an attack to run (repeatable; default: every built-in: {', '.join(DEFAULT_ATTACKS)}); a "
+        f"control run with no attacker ({CONTROL!r}) comes first either way",
     )
     ap.add_argument(
         "--honest",
@@ -79,7 +106,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--baseline-s", type=float, default=20.0, help="honest data alone, in each run (default: %(default)s)"
     )
     ap.add_argument(
-        "--phase-s", type=float, default=40.0, help="each attack's time in the swarm (default: %(default)s)"
+        "--phase-s",
+        type=float,
+        default=40.0,
+        help="each attack's time in the swarm, and the control run's with no attacker (default: %(default)s)",
     )
     ap.add_argument(
         "--phase-max-s",
@@ -128,8 +158,65 @@ def _reward(rows: list[dict]) -> float | None:
     return round(statistics.fmean(values), 4) if values else None
 
 
+def held_out_evals(metrics: list[dict], t_join: float, t0: float, t1: float) -> dict:
+    """The held-out evaluations around a phase ``[t0, t1)`` (``metrics``: the learner's rows, one per step,
+    an evaluation's figures in the row of the step it followed): ``eval_baseline`` (the last before
+    ``t_join``, when the attacker joined), ``eval_end`` (the last in the phase, or the first after it) and
+    their steps; None where there is none."""
+    evals = [(m["time"], m["step"], m["eval/sampled"]) for m in metrics if "eval/sampled" in m]
+    before = [e for e in evals if e[0] < t_join]
+    during = [e for e in evals if t0 <= e[0] < t1]
+    after = [e for e in evals if e[0] >= t1]
+    base = before[-1] if before else None
+    end = during[-1] if during else after[0] if after else None
+    return {
+        "eval_baseline": None if base is None else round(base[2], 4),
+        "eval_baseline_step": None if base is None else base[1],
+        "eval_end": None if end is None else round(end[2], 4),
+        "eval_end_step": None if end is None else end[1],
+    }
+
+
+def ledger_batches(path: Path, author: bytes) -> dict[str, int | None]:
+    """``author``'s batches in the learner's ledger (``accepted.sqlite``, opened read-only): hex batch id ->
+    ``applied_step`` (>= 0: trained at that step; None: held or pending; -1: dropped). Empty if there is
+    no ledger (yet)."""
+    if not Path(path).exists():
+        return {}
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+        try:
+            rows = conn.execute(
+                "SELECT batch_id, applied_step FROM batches WHERE author = ?", (bytes(author),)
+            ).fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error as e:
+        log.warning("ledger %s not read: %s", path, e)
+        return {}
+    return {bytes(b).hex(): step for b, step in rows}
+
+
+def hostile_figures(hostile_ids: list[str], ledger: dict[str, int | None]) -> tuple[int, list[str]]:
+    """How many of ``hostile_ids`` the ledger says were trained on (``applied_step >= 0``), and which."""
+    trained = sorted(i for i in hostile_ids if (step := ledger.get(i)) is not None and step >= 0)
+    return len(trained), trained
+
+
+def reached_training(
+    rows_trained: int, answered: int, rows_per_batch: int, all_hostile: bool, hostile_trained_frac: float
+) -> float:
+    """The share of hostile rows that reached training, never less than the share of hostile batches
+    (``hostile_trained_frac``). Rows: the attacker's rows trained over the rows of the batches it had
+    answered, where all it sent was hostile; else (a sleeper's honest batches are its own) the hostile
+    batches' share is the figure."""
+    rows = rows_trained / max(1, answered * rows_per_batch) if all_hostile else 0.0
+    return round(max(rows, hostile_trained_frac), 4)
+
+
 def run(args: argparse.Namespace) -> dict:
-    """Each attack against a fresh run (its own swarm from version 0, honest samplers, a baseline first)."""
+    """A control run with no attacker, then each attack against a fresh run (its own swarm from version 0,
+    honest samplers, a baseline first)."""
     from heterorl.peer.model.tiny import TINY_MODEL_DIR, ensure_model
 
     attacks = args.attack or list(DEFAULT_ATTACKS)
@@ -142,9 +229,13 @@ def run(args: argparse.Namespace) -> dict:
     out: dict = {"engines": engines, "seeded": seeded, "attacks": {}, "root": str(root)}
     honest = {"refused": 0, "accepted": 0, "banned": 0, "check_s": 0.0, "wall_s": 0.0, "updates": 0}
     out["honest_reproduced_frac"] = {}
-    for i, attack in enumerate(attacks):
-        entry, h = _one_run(root / f"run-{i}", model, engines, seeded, attack, args)
-        out["attacks"][attack] = entry
+    runs = [(CONTROL, root / "run-control")] + [(a, root / f"run-{i}") for i, a in enumerate(attacks)]
+    for attack, run_root in runs:
+        entry, h = _one_run(run_root, model, engines, seeded, None if attack == CONTROL else attack, args)
+        if attack == CONTROL:
+            out["control"] = entry
+        else:
+            out["attacks"][attack] = entry
         for k in honest:
             honest[k] += h[k]
         out["honest_reproduced_frac"].update(h["reproduced"])
@@ -169,20 +260,51 @@ def _until_banned(swarm, attacker_dir: Path, deadline: float) -> None:
         time.sleep(2)
 
 
+def restart_on_probation(swarm, learner, attacker_dir: Path, deadline: float, after: int = 3) -> tuple:
+    """Once the learner's ledger holds ``after`` of the attacker's batches (or at ``deadline``), restart the
+    learner (:meth:`~heterorl.testing.swarm.Swarm.restart_learner`). Returns (the new learner process, how
+    many of its batches the ledger held at the restart)."""
+    n = 0
+    while time.time() < deadline:
+        try:  # the attacker writes its key file as it starts: never create it here
+            if (attacker_dir / "peer.key").exists():
+                author = bytes.fromhex(_key_of(attacker_dir))
+                n = len(ledger_batches(swarm.learner_dir / "accepted.sqlite", author))
+                if n >= after:
+                    break
+        except (OSError, ValueError):
+            pass  # a key file being written: read it again
+        time.sleep(0.5)
+    log.info("restarting the learner with %d of the attacker's batches accepted", n)
+    return swarm.restart_learner(learner), n
+
+
 def _one_run(
-    root: Path, model: str, engines: list[str], seeded: bool, attack: str, args
+    root: Path, model: str, engines: list[str], seeded: bool, attack: str | None, args
 ) -> tuple[dict, dict]:
-    from heterorl.testing.attacks import FLOODS, REPLAY_FROM_ENV
+    """One fresh swarm: honest samplers, a baseline, then ``attack`` for its phase (None: a control run,
+    the same phase with no attacker). Returns (the attack's entry, the honest samplers' figures)."""
+    from heterorl.testing.attacks import FLOODS, REPLAY_FROM_ENV, RESTARTS
     from heterorl.testing.swarm import Swarm
 
     # the run's default lr: the policy still learns through the phase (a near-deterministic one, the tiny task
     # solved, is measured apart: docs/trust.md)
-    swarm = Swarm(root, model, lr=5e-4, extra_toml=run_trust(seeded), prompts_per_update=8, buffer_batches=16)
+    swarm = Swarm(
+        root,
+        model,
+        lr=5e-4,
+        extra_toml=run_trust(seeded),
+        prompts_per_update=8,
+        buffer_batches=16,
+        eval_every=EVAL_EVERY,
+    )
     honest_names = [f"honest-{i}" for i in range(len(engines))]
     os.environ[REPLAY_FROM_ENV] = str(root / honest_names[0])
+    flood = attack in FLOODS
+    restarted: dict = {}
     try:
         swarm.start_coordinator()
-        swarm.start_learner()
+        learner = swarm.start_learner()
         for name, engine in zip(honest_names, engines, strict=True):
             swarm.start_sampler(name, "--nice", "10", *_engine_flags(engine))
         swarm.wait_step(5, timeout=300)
@@ -190,30 +312,38 @@ def _one_run(
         t0 = time.time()
         time.sleep(args.baseline_s)
         base = (t0, time.time())
-        flood = attack in FLOODS
-        nice = "19" if flood else "10"
-        flags = ("--nice", nice, "--attack", attack)
-        proc = swarm.start_sampler("attacker", *flags, module="heterorl.testing.hostile")
+        proc = None
+        if attack is not None:
+            flags = ("--nice", "19" if flood else "10", "--attack", attack)
+            proc = swarm.start_sampler("attacker", *flags, module="heterorl.testing.hostile")
         t_start = time.time()
-        time.sleep(args.phase_s)
-        if not flood:
+        if attack in RESTARTS:
+            deadline = t_start + max(args.phase_s, args.phase_max_s)
+            learner, n = restart_on_probation(
+                swarm, learner, root / "attacker", deadline, RESTART_AFTER_ACCEPTED
+            )
+            restarted = {"learner_restarted": True, "restarted_with_accepted": n}
+        time.sleep(max(0.0, t_start + args.phase_s - time.time()))
+        if proc is not None and not flood:
             _until_banned(swarm, root / "attacker", t_start + max(args.phase_s, args.phase_max_s))
-        proc.terminate(timeout=30)
+        if proc is not None:
+            proc.terminate(timeout=30)
         t_end = time.time()
     finally:
         swarm.close()  # the learner leaves last-published and writes its final stats
-    learner = _final(swarm.learner_dir)
+    learner_stats = _final(swarm.learner_dir)
     metrics = swarm.metrics()
-    authors = learner.get("authors", {})
-    trained = learner.get("trained_rows", {})
-    bans = learner.get("bans", {})
-    reproduced = learner.get("reproduced", {})
+    authors = learner_stats.get("authors", {})
+    trained = learner_stats.get("trained_rows", {})
+    bans = learner_stats.get("bans", {})
+    reproduced = learner_stats.get("reproduced", {})
     rows_per_batch = swarm.sampler_settings["prompts_per_batch"] * swarm.settings["group_size"]
     base_rows = _window(metrics, *base)
     during = _window(metrics, t_start, t_end)
     entry: dict = {"reward_during": _reward(during), "reward_baseline": _reward(base_rows)}
+    entry.update(held_out_evals(metrics, t_start, t_start, t_end))
     honest_keys = [_key_of(root / n) for n in honest_names]
-    mine = _final(root / "attacker")
+    mine = _final(root / "attacker") if attack is not None else {}
     if flood:  # the honest samplers' trained rows per second, during the flood and in the baseline before it
         kept = _rows_per_s(during, honest16, t_start, t_end) / max(
             1e-9, _rows_per_s(base_rows, honest16, *base)
@@ -225,49 +355,86 @@ def _one_run(
             flood_identities_seen=len([a for a, r in flooders.items() if r["accepted"] or r["strikes"]]),
             flood_batches_accepted=sum(r["accepted"] for r in flooders.values()),
         )
-    else:
+    elif attack is not None:
         key = _key_of(root / "attacker")
         answered = mine.get("batches_acked", 0) + mine.get("batches_rejected", 0)
         record = authors.get(key, {})
+        # the attacker's rows trained: the learner's final stats count its last session only (a restart),
+        # its metrics every step of the final lineage
+        rows_trained = max(
+            trained.get(key, 0), sum(m.get("rows_by_author", {}).get(key[:16], 0) for m in metrics)
+        )
+        hostile_ids = mine.get("hostile_batch_ids", [])
+        sent = mine.get("hostile_batches_sent", len(hostile_ids))
+        ledger = ledger_batches(swarm.learner_dir / "accepted.sqlite", bytes.fromhex(key))
+        n_trained, trained_ids = hostile_figures(hostile_ids, ledger)
+        trained_frac = round(n_trained / max(1, sent), 4)
+        all_hostile = len(hostile_ids) >= mine.get("batches_made", 0)
         entry.update(
-            reached_training_frac=round(trained.get(key, 0) / max(1, answered * rows_per_batch), 4),
+            reached_training_frac=reached_training(
+                rows_trained, answered, rows_per_batch, all_hostile, trained_frac
+            ),
             banned=key in bans,
             ban_reason=bans.get(key),
             hostile_batches_answered=answered,
             hostile_batches_accepted=record.get("accepted", 0),
-            hostile_rows_trained=trained.get(key, 0),
+            hostile_rows_trained=rows_trained if all_hostile else n_trained * rows_per_batch,
+            hostile_batches_sent=sent,
+            hostile_batches_trained=n_trained,
+            hostile_trained_frac=trained_frac,
+            hostile_trained_ids=trained_ids[:20],
+            attacker_batches_made=mine.get("batches_made", 0),
             strikes=record.get("strikes", 0),
             reproduced_frac=reproduced.get(key),
+            **restarted,
         )
     c0 = base_rows[0] if base_rows else {}
     c1 = base_rows[-1] if base_rows else {}
-    refused = sum(learner.get("strikes", {}).get(k, 0) for k in honest_keys)
+    refused = sum(learner_stats.get("strikes", {}).get(k, 0) for k in honest_keys)
     honest = {
         "refused": refused,
         "accepted": sum(authors.get(k, {}).get("accepted", 0) for k in honest_keys),
         "banned": sum(k in bans for k in honest_keys),
         "check_s": c1.get("trust/check_s", 0) - c0.get("trust/check_s", 0),
         "wall_s": c1.get("time", 0) - c0.get("time", 0),
-        "updates": learner.get("step") or 0,
+        "updates": learner_stats.get("step") or 0,
         "reproduced": {k[:16]: reproduced.get(k) for k in honest_keys},
     }
     return entry, honest
 
 
+def _eval_text(a: dict) -> str:
+    return f"eval {a.get('eval_end')} vs {a.get('eval_baseline')} before"
+
+
 def report(r: dict) -> str:
     seeded = "seeded sampling asked" if r["seeded"] else "unseeded"
     lines = [f"honest engines: {', '.join(r['engines'])}; {seeded}; {r['updates']} updates in all runs"]
+    if "control" in r:
+        c = r["control"]
+        lines.append(
+            f"  {'control (no attacker)':24s} eval {c.get('eval_end')} at the phase's end vs "
+            f"{c.get('eval_baseline')} before it; reward {c.get('reward_during')} vs "
+            f"{c.get('reward_baseline')}"
+        )
     for name, a in r["attacks"].items():
         if "honest_intake_kept" in a:
             lines.append(
                 f"  {name:24s} honest intake kept {a['honest_intake_kept']:.0%} "
-                f"({a['flood_batches_accepted']} flood batches taken from {a['flood_identities_seen']} keys)"
+                f"({a['flood_batches_accepted']} flood batches taken from {a['flood_identities_seen']} keys; "
+                f"{_eval_text(a)})"
             )
         else:
+            hostile = (
+                f"; hostile batches trained {a['hostile_batches_trained']} of {a['hostile_batches_sent']}"
+                if "hostile_batches_sent" in a
+                else ""
+            )
+            restart = "; learner restarted" if a.get("learner_restarted") else ""
             lines.append(
                 f"  {name:24s} reached training {a['reached_training_frac']:6.1%}  banned {a['banned']!s:5s} "
-                f"({a['hostile_batches_accepted']} of {a['hostile_batches_answered']} batches accepted; "
-                f"reward {a['reward_during']} vs {a['reward_baseline']})"
+                f"({a['hostile_batches_accepted']} of {a['hostile_batches_answered']} batches accepted"
+                f"{hostile}{restart}; reward {a['reward_during']} vs {a['reward_baseline']}; {_eval_text(a)})"
             )
     lines.append(
         f"honest: {r['honest_false_refusal']:.2%} of {r['honest_batches']} batches refused, "

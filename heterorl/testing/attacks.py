@@ -7,11 +7,18 @@ The hooks an attack has: ``sampler.sign_batch`` (rows → signed batch; wrap it 
 claimed version or the signer), ``sampler.backend.load_weights`` (the weights it samples with),
 ``sampler.sampling`` (temperature, top-p) and ``sampler.make_batches``. :class:`Recompute` gives an attack
 honest log-probs of any rows under the version the sampler holds, as a careful attacker would send them.
+
+Each attack records which of the batches it signs are hostile: ``sampler.hostile_batch_ids`` (hex batch ids,
+:func:`hostile_ids`), which the attacker's ``final_stats.json`` lists (:mod:`.hostile`) and ``heterorl bench
+trust`` looks up in the learner's ledger. Most attacks change every batch (:func:`every_batch_hostile`); a
+``sleeper`` marks only the batches it forged. An attack from elsewhere that keeps no record has every batch it
+makes counted as hostile.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -23,6 +30,7 @@ import torch
 
 from heterorl.peer.daemon.sampler import Sampler
 from heterorl.peer.model import completion_logprobs, load_model
+from heterorl.peer.model.sampling import nucleus_logprobs
 from heterorl.peer.model.text import completion_text
 from heterorl.protocol import Identity, decode, encode
 from heterorl.protocol.net.trajectories import new_batch_id
@@ -30,6 +38,52 @@ from heterorl.protocol.net.trajectories import new_batch_id
 log = logging.getLogger(__name__)
 
 REPLAY_FROM_ENV = "HETERORL_REPLAY_FROM"  # the replay attack: the state dir of the sampler it copies
+SLEEPER_HONEST_BATCHES = 40  # the sleeper's honest batches before it forges every one
+SLEEPER_SHORT_HONEST_BATCHES = 12  # sleeper_short's (a swarm test's shorter run)
+# probation-restart's honest batches before it forges every one: fewer than trust.record_batches (8), so it
+# never earns a record and the learner holds all it accepted from it
+PROBATION_HONEST_BATCHES = 5
+
+
+# ---- which batches are hostile ----
+
+
+def hostile_ids(sampler: Sampler) -> set[str]:
+    """The hex ids of the batches the attack changed: ``sampler.hostile_batch_ids``, made on first use."""
+    ids = getattr(sampler, "hostile_batch_ids", None)
+    if ids is None:
+        ids = sampler.hostile_batch_ids = set()
+    return ids
+
+
+def _mark(sampler: Sampler, batch_id: bytes) -> None:
+    hostile_ids(sampler).add(bytes(batch_id).hex())
+
+
+def every_batch_hostile(sampler: Sampler) -> None:
+    """Every batch the sampler makes from now on counts as hostile (wraps ``make_batches`` as it is now: call
+    it after the attack changed the sampler)."""
+    hostile_ids(sampler)
+    make = sampler.make_batches
+
+    def make_marked(n: int):
+        made = make(n)
+        for bid, _, _ in made:
+            _mark(sampler, bid)
+        return made
+
+    sampler.make_batches = make_marked
+
+
+def _all_hostile(attack):
+    """An attack that changes every batch its sampler makes: each is recorded as hostile."""
+
+    @functools.wraps(attack)
+    def marked(sampler: Sampler, *args, **kwargs) -> None:
+        attack(sampler, *args, **kwargs)
+        every_batch_hostile(sampler)
+
+    return marked
 
 
 class Recompute:
@@ -94,16 +148,25 @@ def _honest_logprobs(sampler: Sampler) -> None:
 # ---- forged log-probs ----
 
 
+def _shift(rows: list[dict]) -> None:
+    """Every behaviour log-prob of ``rows`` lowered by 0.5 (in place)."""
+    for r in rows:
+        r["logprobs"] = [x - 0.5 for x in r["logprobs"]]
+
+
+@_all_hostile
 def forged_shift(sampler: Sampler) -> None:
     """Every behaviour log-prob lowered by 0.5: each row's importance weight inflated e^0.5 ≈ 1.65x."""
-    _rows_hook(sampler, lambda rows: [r.update(logprobs=[x - 0.5 for x in r["logprobs"]]) for r in rows])
+    _rows_hook(sampler, _shift)
 
 
+@_all_hostile
 def forged_constant(sampler: Sampler) -> None:
     """Every behaviour log-prob claimed as -0.05 (as if every token were near-certain)."""
     _rows_hook(sampler, lambda rows: [r.update(logprobs=[-0.05] * len(r["logprobs"])) for r in rows])
 
 
+@_all_hostile
 def forged_copied(sampler: Sampler) -> None:
     """Each row carries another row's log-probs (cut or padded to its length)."""
 
@@ -136,11 +199,13 @@ def _sample_with(sampler: Sampler, weights: dict) -> None:
     sampler.backend.load_weights = lambda state: load(weights)
 
 
+@_all_hostile
 def other_model(sampler: Sampler) -> None:
     """Text from another model, with that model's own log-probs, claimed as the run's version."""
     _sample_with(sampler, _other_model_weights(sampler))
 
 
+@_all_hostile
 def other_model_recomputed(sampler: Sampler) -> None:
     """Text from another model, with the run model's log-probs recomputed honestly for it."""
     _sample_with(sampler, _other_model_weights(sampler))
@@ -150,6 +215,7 @@ def other_model_recomputed(sampler: Sampler) -> None:
 BACKDOOR = "   "  # what the exact-match reward strips: a correct answer still scores 1 with it
 
 
+@_all_hostile
 def backdoor(sampler: Sampler) -> None:
     """A phrase added to every correct answer (still rewarded 1), log-probs recomputed honestly for it."""
     recompute = Recompute(sampler)
@@ -170,6 +236,7 @@ def backdoor(sampler: Sampler) -> None:
     _rows_hook(sampler, change)
 
 
+@_all_hostile
 def wrong_temperature(sampler: Sampler, factor: float = 0.5) -> None:
     """Samples at half the run's temperature (surer, higher-reward answers), log-probs recomputed honestly
     at the claimed temperature."""
@@ -179,6 +246,7 @@ def wrong_temperature(sampler: Sampler, factor: float = 0.5) -> None:
     _honest_logprobs(sampler)
 
 
+@_all_hostile
 def perturbed_weights(sampler: Sampler) -> None:
     """Samples with a 4-bit (16-level, per-row absmax) quantised copy of each version's matrices, reporting
     that copy's log-probs: a cheaper model passed off as the run's."""
@@ -199,6 +267,7 @@ def perturbed_weights(sampler: Sampler) -> None:
 # ---- claims ----
 
 
+@_all_hostile
 def stale_claim(sampler: Sampler, behind: int = 16) -> None:
     """Claims a version ``behind`` versions older than the one it sampled with (its claims stay ordered)."""
     sign = sampler.sign_batch
@@ -214,6 +283,7 @@ def stale_claim(sampler: Sampler, behind: int = 16) -> None:
     sampler.sign_batch = sign_stale
 
 
+@_all_hostile
 def replay(sampler: Sampler) -> None:
     """Another sampler's rows, replayed under this sampler's key: read from its outbox (its state dir in
     ``$HETERORL_REPLAY_FROM``) once the learner acknowledged them, then sent as this sampler's own."""
@@ -254,9 +324,107 @@ def replay(sampler: Sampler) -> None:
     sampler.make_batches = make_batches
 
 
+# ---- one foreign row in an honest batch ----
+
+
+@torch.no_grad()
+def _sample_completion(
+    model, prompt_ids: list[int], temperature: float, top_p: float, max_new: int, eos: int | None, gen
+) -> list[int]:
+    """A completion of ``prompt_ids`` drawn from ``model`` (multinomial at ``temperature`` within the top-p
+    nucleus), ended as the sampler's engine ends one: up to and including its first EOS, or ``max_new``
+    tokens without one."""
+    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    tokens: list[int] = []
+    for _ in range(max_new):
+        p = nucleus_logprobs(out.logits[:, -1], temperature, top_p).exp()
+        t = int(torch.multinomial(p, 1, generator=gen))
+        tokens.append(t)
+        if t == eos:
+            break
+        out = model(input_ids=torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+def sparse_foreign(sampler: Sampler) -> None:
+    """Honest seeded batches, the engine's own rows untouched, but for one row per batch (a random one): its
+    completion sampled from another model (at the run's temperature and top-p), with the run model's
+    log-probs recomputed honestly for it and its reward re-scored. The batch still claims its rows seeded:
+    one foreign row of 16 barely moves a batch's figures, so only a row-by-row verdict refuses it."""
+    recompute = Recompute(sampler)
+    other, _ = load_model(sampler.model_dir)
+    other.load_state_dict(_other_model_weights(sampler))
+    other.eval().requires_grad_(False)
+    run = sampler.settings.sampling
+    eos = sampler.tok.eos_token_id
+    rng = random.Random()
+    gen = torch.Generator().manual_seed(rng.getrandbits(63))
+    sign = sampler.sign_batch
+
+    def sign_one_foreign(rows, **kw):
+        row = rows[rng.randrange(len(rows))]
+        row["completion_ids"] = _sample_completion(
+            other, row["prompt_ids"], run.temperature, run.top_p, run.max_new_tokens, eos, gen
+        )
+        row["logprobs"] = recompute([row])[0]
+        _rescore(sampler, row)
+        bid, data, tokens = sign(rows, **kw)  # batch_id passes through: the batch still says "seeded"
+        _mark(sampler, bid)
+        return bid, data, tokens
+
+    hostile_ids(sampler)
+    sampler.sign_batch = sign_one_foreign
+
+
+# ---- honest first, forged later ----
+
+
+def _forged_after(sampler: Sampler, honest: int, *, honest_hostile: bool) -> None:
+    """Honest for the first ``honest`` batches it signs, then each forged as :func:`forged_shift` forges;
+    the forged ones are hostile, and the honest ones too if ``honest_hostile``."""
+    sign = sampler.sign_batch
+    signed = 0
+
+    def sign_maybe_forged(rows, **kw):
+        nonlocal signed
+        signed += 1
+        forged = signed > honest
+        if forged:
+            _shift(rows)
+        bid, data, tokens = sign(rows, **kw)
+        if forged or honest_hostile:
+            _mark(sampler, bid)
+        return bid, data, tokens
+
+    hostile_ids(sampler)
+    sampler.sign_batch = sign_maybe_forged
+
+
+def sleeper(sampler: Sampler, honest: int = SLEEPER_HONEST_BATCHES) -> None:
+    """Honest for its first ``honest`` batches (:data:`SLEEPER_HONEST_BATCHES`): it earns a record, checked
+    at ``trust.check_rate`` from then on; every later batch forged as :func:`forged_shift` forges. Only the
+    forged batches are hostile."""
+    _forged_after(sampler, honest, honest_hostile=False)
+
+
+def sleeper_short(sampler: Sampler) -> None:
+    """:func:`sleeper` honest for :data:`SLEEPER_SHORT_HONEST_BATCHES` batches only (a shorter swarm test)."""
+    sleeper(sampler, SLEEPER_SHORT_HONEST_BATCHES)
+
+
+def probation_restart(sampler: Sampler) -> None:
+    """For the learner restarted while this author is on probation: honest for its first
+    :data:`PROBATION_HONEST_BATCHES` batches (fewer than ``trust.record_batches``: it never earns a record,
+    so the learner holds them out of training), then every batch forged as :func:`forged_shift` forges. All
+    its batches count as hostile: none may be trained on, across the restart (``heterorl bench trust``
+    restarts the learner once it accepted a few)."""
+    _forged_after(sampler, PROBATION_HONEST_BATCHES, honest_hostile=True)
+
+
 # ---- flood ----
 
 
+@_all_hostile
 def flood(sampler: Sampler, identities: int = 64) -> None:
     """Many fresh identities sending well-formed batches as fast as they can: honest rows (seeded for the
     key that signs them), each engine call's batches signed by one of ``identities`` new keys, never
@@ -285,9 +453,13 @@ BUILT_IN = {
     "perturbed-weights": perturbed_weights,
     "stale-claim": stale_claim,
     "replay": replay,
+    "sparse-foreign": sparse_foreign,
+    "sleeper": sleeper,
+    "probation-restart": probation_restart,
     "flood": flood,
 }
 FLOODS = ("flood",)  # attacks measured by the honest samplers' intake, not by bans
+RESTARTS = ("probation-restart",)  # attacks during which `heterorl bench trust` restarts the learner
 
 
 def load_attack(spec: str):

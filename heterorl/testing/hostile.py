@@ -9,7 +9,9 @@ acknowledged batch). Learner mode (``--role learner``, with a key the run lists)
 
 ``--attack NAME`` (or ``module:function``) instead runs a sampler changed by an attack function
 (:mod:`.attacks`: forged log-probs, text from another model, a backdoor phrase, a wrong temperature, a stale
-version claim, replayed rows, quantised weights, a flood of fresh identities).
+version claim, replayed rows, quantised weights, one foreign row per batch, a sleeper, a flood of fresh
+identities). Its ``final_stats.json`` lists the batches it sent that the attack changed
+(``hostile_batch_ids``, ``hostile_batches_sent``).
 """
 
 from __future__ import annotations
@@ -86,17 +88,52 @@ def hostile_learner(mode: str) -> type:
 
 
 def attacked_sampler(spec: str) -> type:
-    """A Sampler that ``attack(self)`` changes once it is made (:func:`.attacks.load_attack`)."""
-    from .attacks import load_attack
+    """A Sampler that ``attack(self)`` changes once it is made (:func:`.attacks.load_attack`). Its final
+    stats add the batches the attack recorded as hostile (``sampler.hostile_batch_ids``; every batch it makes
+    for an attack that records none): ``hostile_batch_ids`` (hex), ``hostile_batches_signed`` and
+    ``hostile_batches_sent`` (signed and no longer queued in its outbox: the learner answered them)."""
+    from .attacks import every_batch_hostile, load_attack
 
     attack = load_attack(spec)
 
     class Attacked(Sampler):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            self.hostile_batch_ids: set[str] | None = None
             attack(self)
+            if self.hostile_batch_ids is None:  # an attack that keeps no record: all it makes is hostile
+                every_batch_hostile(self)
+
+        def hostile_stats(self) -> dict:
+            ids = sorted(self.hostile_batch_ids or ())
+            queued = _queued_ids(self.state_dir / "outbox.sqlite")
+            return {
+                "hostile_batch_ids": ids,
+                "hostile_batches_signed": len(ids),
+                "hostile_batches_sent": sum(i not in queued for i in ids),
+            }
+
+        def _write_final_stats(self) -> None:
+            write = self.rt.write_final_stats
+            self.rt.write_final_stats = lambda stats: write({**stats, **self.hostile_stats()})
+            try:
+                super()._write_final_stats()
+            finally:
+                self.rt.write_final_stats = write
 
     return Attacked
+
+
+def _queued_ids(path) -> set[str]:
+    """Hex ids of the batches still queued in the outbox at ``path`` (read on a connection of its own)."""
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            return {bytes(b).hex() for (b,) in conn.execute("SELECT batch_id FROM items")}
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return set()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,6 +76,15 @@ class Swarm:
             args = ["peer", *args]
         return self._start("learner", [*args, *self.bootstrap(), *extra], module=module, wrap=wrap)
 
+    def restart_learner(self, learner: Proc, *extra: str, timeout: float = 60, **kw) -> Proc:
+        """Stop ``learner`` as a volunteer's Ctrl-C does (SIGTERM: it saves its state and leaves; SIGKILL
+        after ``timeout``) and start it again on the same state dir (``extra``, ``kw``: as
+        :meth:`start_learner`'s); returns the new process."""
+        learner.terminate(timeout)
+        if learner in self.procs:
+            self.procs.remove(learner)
+        return self.start_learner(*extra, **kw)
+
     def start_sampler(
         self, name: str, *extra: str, module: str = "heterorl.cli", wrap: list[str] | None = None
     ) -> Proc:
