@@ -103,12 +103,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "0.9 of the tokens reproduced, as a run of hf samplers can",
     )
     ap.add_argument(
-        "--baseline-s", type=float, default=20.0, help="honest data alone, in each run (default: %(default)s)"
+        "--baseline-s", type=float, default=15.0, help="honest data alone, in each run (default: %(default)s)"
     )
     ap.add_argument(
         "--phase-s",
         type=float,
-        default=40.0,
+        default=30.0,
         help="each attack's time in the swarm, and the control run's with no attacker (default: %(default)s)",
     )
     ap.add_argument(

@@ -8,7 +8,8 @@ A pipeline of threads, so that training waits for nothing it need not wait for:
   (row count, staleness, rewards re-scored, spot checks), the ledger write, and only then the Ack; a batch
   goes to the buffer once a check vouches for it (its own, or a later one of its author's), until then it
   is held (:mod:`~heterorl.peer.learner.holding`);
-- the release sweep: an author gone quiet has its newest held batch checked, records never earned expire;
+- the release sweep: when training is short of data or flow control is full, or an author went quiet, a
+  held batch is checked (a pass releases what its author holds); records never earned expire;
 - the assembler (:class:`~heterorl.peer.learner.assembler.BatchAssembler`): the next update's tensors,
   built while the current update trains;
 - the training thread (:meth:`Learner.loop`): ``Trainer.step``, the batches marked applied at that step,
@@ -66,7 +67,7 @@ from .weights import weights_hash
 log = logging.getLogger(__name__)
 
 MAX_SHOWN_STRIKES = 8
-SWEEP_EVERY_S = 1.0  # the release sweep's period
+SWEEP_EVERY_S = 0.25  # the release sweep's period (it also wakes when flow control is full)
 EXPIRE_EVERY_S = 30.0  # how often records never earned are looked at for expiry
 ANNOUNCE_TIMEOUT_S = 60.0
 # objectives whose weights bound very stale rows (defensive sampling): no staleness cut needed to 256 versions
@@ -143,6 +144,7 @@ class Learner:
         # ban drops them (peer/learner/holding.py)
         self.held = HeldBatches()
         self._hold_lock = threading.RLock()  # a batch is held or released, never both
+        self._release_wanted = threading.Event()  # flow control is full: the sweep releases what it can
         self.reputation = Reputation(
             s.trust,
             buffer_capacity=s.learner.buffer_batches,
@@ -178,7 +180,7 @@ class Learner:
             vocab_size=s.vocab_size,
             admit=self.admission,
             on_accept=self._on_accept,
-            has_room=self.buffer.has_room,
+            has_room=self._has_room,
         )
         self.assembler = BatchAssembler(
             self.buffer, lambda: s.learner.prompts_per_update, self.tok.pad_token_id, self.trainer.device
@@ -245,6 +247,16 @@ class Learner:
             top_p=s.sampling.top_p,
             run_id=s.run_id,
         )
+
+    def _has_room(self) -> bool:
+        """Flow control: the batches accepted and not yet trained on, the buffer's and those held for
+        authors with a record, within ``learner.buffer_batches`` (probation has its own bound, the new
+        authors' share). Held batches count: else a sender that ignores "busy" has many accepted while
+        the buffer has room, and takes the freed room from those that wait."""
+        room = len(self.buffer) + self.held.count(self.reputation.has_record) < self.buffer.capacity
+        if not room:
+            self._release_wanted.set()  # the release sweep checks a held batch now
+        return room
 
     def _held_new(self) -> int:
         """Batches of authors without a record, held on probation (bounded in all)."""
@@ -339,30 +351,50 @@ class Learner:
             for b in released:
                 self.buffer.put(b)
 
-    # ---- the release sweep (a thread of its own): held batches whose author went quiet ----
+    # ---- the release sweep (a thread of its own): held batches released on demand ----
 
     def _sweep(self) -> None:
-        """Every second: an author with a record whose oldest held batch waited ``trust.hold_s`` (it sent
-        nothing since that would have been checked) has its newest held batch checked here; now and then,
-        records never earned expire, with what they hold."""
+        """Releases held batches when they are wanted: when the buffer holds less than the next update
+        takes, or flow control is full, the author with a record holding the most batches has its newest
+        one checked (a pass releases them all); an author whose oldest held batch waited ``trust.hold_s``
+        has its newest checked too. Now and then, records never earned expire with what they hold."""
         last_expiry = time.monotonic()
-        while not self.rt.stop.wait(SWEEP_EVERY_S):
+        while not self.rt.stop.is_set():
+            self._release_wanted.wait(SWEEP_EVERY_S)
+            self._release_wanted.clear()
             try:
-                for author in self.held.authors():
-                    self._check_quiet(author)
+                self._release_on_demand()
                 if time.monotonic() - last_expiry >= EXPIRE_EVERY_S:
                     last_expiry = time.monotonic()
                     self._expire()
             except Exception:  # a sweep that fails is retried; it must not take the learner down
                 log.exception("release sweep failed")
 
-    def _check_quiet(self, author: bytes) -> None:
-        n, oldest = self.held.of(author)
+    def _release_on_demand(self) -> None:
+        if self.spot_check is None:
+            return
+        candidates = [
+            (a, *self.held.of(a))
+            for a in self.held.authors()
+            if self.reputation.has_record(a) and self.reputation.check_banned({}, a) is None
+        ]
+        if not candidates:
+            return
+        now, hold_s = time.time(), self.settings.trust.hold_s
+        for author, _, oldest in candidates:  # quiet authors: nothing arrives that would be checked
+            if oldest is not None and now - oldest >= hold_s:
+                self._check_held(author)
+        starving = self.buffer.groups() < self.settings.learner.prompts_per_update
+        full = len(self.buffer) + sum(n for _, n, _ in candidates) >= self.buffer.capacity
+        if starving or full:
+            author = max(candidates, key=lambda c: (c[1], -(c[2] or now)))[0]
+            self._check_held(author)
+
+    def _check_held(self, author: bytes) -> None:
+        """Check the newest batch ``author`` holds: a pass releases all it holds, a refusal is a strike
+        (which drops them), an unverifiable one drops them without one."""
         newest = self.held.newest(author)
-        quiet = oldest is not None and time.time() - oldest >= self.settings.trust.hold_s
-        if not quiet or newest is None or self.spot_check is None or not self.reputation.has_record(author):
-            return  # (an author without a record has every batch checked as it arrives)
-        if self.reputation.check_banned({}, author) is not None:
+        if newest is None:
             return
         verdict = self.spot_check.check(newest.body, author)
         if verdict.reason is None:
@@ -419,7 +451,8 @@ class Learner:
             _, body, author = decode(it.data, "TrajectoryBatch", run_id=self.settings.run_id)
             self.reputation.accepted(body, author, count=False)
             self.replays.add(body, author)
-            self._admit(Buffered(it.batch_id, author, body, it.received_at), vouched=it.released)
+            vouched = it.released or not self.reputation.checks  # (an adapter run holds nothing)
+            self._admit(Buffered(it.batch_id, author, body, it.received_at), vouched=vouched)
             held += not it.released
         if items:
             log.info(

@@ -56,6 +56,11 @@ class TrajectoryBuffer:
                 n += b.groups
             return out
 
+    def groups(self) -> int:
+        """Prompt groups waiting (what an update takes ``learner.prompts_per_update`` of)."""
+        with self._cond:
+            return sum(b.groups for b in self._items)
+
     def drop_author(self, author: bytes) -> list[bytes]:
         """Take every batch of ``author`` out (a banned author's): their ids."""
         with self._cond:

@@ -40,6 +40,10 @@ from .rows import rows_from_bodies
 
 log = logging.getLogger(__name__)
 
+# a row's own z is tested only when its tokens' variances sum to this: over a few near-certain tokens one
+# honest draw of a rare token gives z ~ 30 (p = 0.999 against 0.001), far from N(0, 1)
+ROW_Z_MIN_VARIANCE = 4.0
+
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
@@ -85,7 +89,9 @@ def judge(stats: RowStats, trust: TrustSettings, author_z: float | None = None) 
     row, gap = _worst(stats.row_logprob_gap_mean())
     if gap > trust.max_row_logprob_gap:
         return f"row {row}'s behaviour log-probs disagree with the recomputation (mean |Δ| {gap:.3f})"
-    zs = stats.typicality_z()
+    zs = torch.where(
+        stats.variance >= ROW_Z_MIN_VARIANCE, stats.typicality_z(), torch.zeros_like(stats.variance)
+    )
     row, _ = _worst(zs.abs())
     z = float(zs[row]) if n else 0.0
     if abs(z) > trust.max_row_typicality_z:
