@@ -20,6 +20,10 @@ KEYS = {
     "logprob_dev_p99",
     "logprob_dev_max",
     "row_logprob_dev_max",
+    "row_logprob_gap_max",
+    "row_abs_z_max",
+    "seed_margin_max",
+    "reproduced_min",
     "abs_z_p50",
     "abs_z_p99",
     "abs_z_max",
@@ -49,8 +53,12 @@ def test_honest_hf_batches_of_the_tiny_model_pass(tmp_path, tiny_model_dir, caps
         assert set(r) == KEYS
         assert r["model"] == "tiny" and r["published"] == "float32" and r["batches"] == 4
         assert r["tokens_per_batch"] > 0 and len(r["batch_z"]) == len(r["batch_logprob_dev"]) == 4
-        assert set(r["margin"]) == {"logprob_dev", "row_logprob_dev", "typicality_z"}
+        margins = {"logprob_dev", "row_logprob_dev", "typicality_z", "row_logprob_gap", "row_typicality_z"}
+        assert set(r["margin"]) == margins | {"seed_margin"}
+        assert all(0 <= m < 1 for m in r["margin"].values()), r["margin"]  # honest: under every threshold
     f32 = results["hf/float32"]
     assert f32["logprob_dev_max"] < 1e-3 and f32["row_logprob_dev_max"] < 1e-3
     assert f32["refused"] == 0 and f32["false_refusal_rate"] == 0.0
+    assert f32["seed_margin_max"] < 1e-3 and f32["reproduced_min"] == 1.0  # the same engine replays its seeds
+    assert results["hf/bfloat16"]["row_logprob_gap_max"] > f32["row_logprob_gap_max"]
     assert "| tiny | float32 | hf/bfloat16 |" in capsys.readouterr().out
