@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from heterorl.protocol.settings import EXAMPLE, SamplerSettings, load_run_config, parse_run_config
+from heterorl.protocol.storage.jsonlog import read_rows
 from heterorl.testing.swarm import Swarm
 
 GENERATING_WHILE_FETCHING = re.compile(r"generating with version (\d+); fetching (\d+)")
@@ -26,8 +27,7 @@ PAUSED_BEHIND = re.compile(r"paused: (\d+) versions behind")
 
 
 def _versions(state_dir: Path) -> list[dict]:
-    path = state_dir / "versions.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return list(read_rows(state_dir / "versions.jsonl"))  # a row the sampler is writing: not yet
 
 
 def _final(swarm: Swarm, name: str) -> dict:

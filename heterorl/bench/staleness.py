@@ -26,6 +26,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 
+from heterorl.protocol.storage.jsonlog import read_rows
+
 DEFAULT_OBJECTIVE = "gepo"  # what a run gets without [objective] (heterorl.peer.objectives.DEFAULT_OBJECTIVE)
 # label -> (objective, its params): the default first, then every objective of the zoo
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -153,7 +155,7 @@ def _one(job: dict) -> dict:
         )
         summary = run_one_process(cfg, d, progress=False, save_checkpoint=False)
         stamp.write_text(json.dumps(_fingerprint(job)))
-    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    rows = list(read_rows(d / "metrics.jsonl"))
     return {
         "objective": job["label"],
         "loss": job["loss"],

@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from heterorl.protocol.storage.jsonlog import read_rows
+
 from .throughput_report import report
 
 PARTS = ("rollout", "switch", "learner", "rl", "swarm")
@@ -177,7 +179,7 @@ def ours_local(local: dict, out: Path, warmup: int) -> tuple[float, float]:
     cfg = OneProcessConfig(from_overrides(Run, local["run"]), **loop)
     t0 = time.perf_counter()
     run_one_process(cfg, out, progress=False)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = list(read_rows(out / "metrics.jsonl"))
     rate = steady_rate([t0 + r["time_s"] for r in rows], warmup)
     return rate, statistics.fmean(r["completion_len/mean"] for r in rows)
 
@@ -308,10 +310,7 @@ def _swarm(args, model: str, out: Path, single_steps_per_s: float | None) -> dic
         metrics = d / "learner" / "metrics.jsonl"
         if done.returncode != 0 or not metrics.exists():
             raise RuntimeError(f"`heterorl local --samplers {k}` failed (rc {done.returncode}); logs in {d}")
-        steps = {}
-        for line in metrics.read_text().splitlines():
-            row = json.loads(line)
-            steps[row["step"]] = row
+        steps = {row["step"]: row for row in read_rows(metrics)}  # a replayed step replaces the lost one
         w = swarm_window([steps[s] for s in sorted(steps)], args.warmup)
         res[f"swarm{k}"] = w
         res[f"ratio_swarm{k}_vs_single"] = w["trajectories_per_s"] / res["single_process_trajectories_per_s"]

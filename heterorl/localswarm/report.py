@@ -44,14 +44,12 @@ def render(view: dict, steps: int, started: float) -> list[str]:
 
 
 def summarise(out: Path, samplers: list[Path], view: dict | None, wall: float) -> dict:
+    from heterorl.protocol.storage.jsonlog import read_rows
     from heterorl.protocol.storage.ledger import AcceptedLog
 
     steps: dict[int, dict] = {}
-    metrics = out / "learner" / "metrics.jsonl"
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            row = json.loads(line)
-            steps[row["step"]] = row  # a replayed step (after a learner restart) replaces the lost one
+    for row in read_rows(out / "learner" / "metrics.jsonl"):
+        steps[row["step"]] = row  # a replayed step (after a learner restart) replaces the lost one
     rows = [steps[k] for k in sorted(steps)]
     hist: collections.Counter[str] = collections.Counter()
     for r in rows:
@@ -64,10 +62,7 @@ def summarise(out: Path, samplers: list[Path], view: dict | None, wall: float) -
         accepted, applied = ledger.count(), ledger.applied_count()
     per_sampler = {}
     for d in samplers:
-        loads = []
-        vf = d / "versions.jsonl"
-        if vf.exists():
-            loads = [json.loads(line) for line in vf.read_text().splitlines() if line.strip()]
+        loads = list(read_rows(d / "versions.jsonl"))
         per_sampler[d.name] = {
             "versions_loaded": [x["version"] for x in loads],
             "fetched_bytes": sum(x.get("fetched_bytes", 0) for x in loads),

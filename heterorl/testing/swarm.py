@@ -105,13 +105,11 @@ class Swarm:
 
     def metrics(self) -> list[dict]:
         """The learner's updates, one per step (a step replayed after a restart replaces the lost one)."""
-        path = self.learner_dir / "metrics.jsonl"
+        from heterorl.protocol.storage.jsonlog import read_rows
+
         steps: dict[int, dict] = {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    steps[row["step"]] = row
+        for row in read_rows(self.learner_dir / "metrics.jsonl"):  # a row being written: not yet
+            steps[row["step"]] = row
         return [steps[k] for k in sorted(steps)]
 
     def step(self) -> int:

@@ -27,7 +27,6 @@ use it as a context manager, and the node is closed once, whatever fails), makes
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import threading
 from collections.abc import Callable, Coroutine
@@ -40,6 +39,7 @@ from heterorl.protocol.net.datasets import fetch_dataset, keep_announced
 from heterorl.protocol.net.join import Joined
 from heterorl.protocol.settings import RunSettings
 from heterorl.protocol.storage.files import atomic_write_json
+from heterorl.protocol.storage.jsonlog import append_row
 from heterorl.protocol.storage.store import ChunkStore
 from heterorl.protocol.wire.dataset import DATASET_PARAM, dataset_id_of
 
@@ -171,9 +171,9 @@ class PeerRuntime:
         return Wakeup(self.stop)
 
     def append_jsonl(self, name: str, row: dict) -> None:
-        """One line of ``STATE_DIR/name`` (``metrics.jsonl``, ``versions.jsonl``)."""
-        with (self.state_dir / name).open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        """One line of ``STATE_DIR/name`` (``metrics.jsonl``, ``versions.jsonl``): a log of bounded size, in
+        rotated segments (:mod:`heterorl.protocol.storage.jsonlog`; read it back with its ``read_rows``)."""
+        append_row(self.state_dir / name, row)
 
     def write_final_stats(self, stats: dict) -> None:
         """``STATE_DIR/final_stats.json``: what this session did (`heterorl local`'s summary, tests)."""

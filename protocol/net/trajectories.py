@@ -66,6 +66,25 @@ class LearnerAddress:
     maddrs: tuple[str, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class IntakeCounts:
+    """A :class:`TrajectoryReceiver`'s counters at one moment, taken under its lock: every batch handled so
+    far is in exactly one of accepted, duplicates, deferred and rejected (refusals by category: malformed,
+    admit, frame); ``strikes`` are the refusals per author (hex key, or ``peer:ID`` before a key is known),
+    so ``sum(rejected.values()) == sum(strikes.values())``. The dicts are copies."""
+
+    accepted: int = 0
+    duplicates: int = 0
+    deferred: int = 0
+    rejected: dict[str, int] = dataclasses.field(default_factory=dict)
+    strikes: dict[str, int] = dataclasses.field(default_factory=dict)
+    bytes_received: int = 0
+
+    @property
+    def refused(self) -> int:
+        return sum(self.rejected.values())
+
+
 DEFAULT_INTAKE_WORKERS = 2
 # frames a sender writes on one stream before it reads their replies (and the receiver checks at once): the
 # round trip of one batch (its ledger fsync at the learner, the network) is not paid once per batch
@@ -103,7 +122,9 @@ class TrajectoryReceiver:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="intake")
-        self._lock = threading.Lock()  # the counters below are written from the pool's threads
+        # the counters below are written from the pool's threads, only under this lock; read them all at once
+        # with counts() (reading the attributes one by one sees a moment's counters torn)
+        self._lock = threading.Lock()
         self.accepted = 0
         self.duplicates = 0
         self.deferred = 0
@@ -203,13 +224,27 @@ class TrajectoryReceiver:
         }
         return encode("Reject", body, self.identity)
 
+    def counts(self) -> IntakeCounts:
+        """Every counter at one moment (:class:`IntakeCounts`), copied under the lock the intake threads
+        write them under: safe from any thread."""
+        with self._lock:
+            return IntakeCounts(
+                accepted=self.accepted,
+                duplicates=self.duplicates,
+                deferred=self.deferred,
+                rejected=dict(self.rejected),
+                strikes=dict(self.strikes),
+                bytes_received=self.bytes_received,
+            )
+
     def stats(self) -> dict[str, float]:
+        c = self.counts()
         return {
-            "net/batches_accepted": self.accepted,
-            "net/batches_duplicate": self.duplicates,
-            "net/batches_deferred": self.deferred,
-            "net/batches_rejected": sum(self.rejected.values()),
-            "net/bytes_received": self.bytes_received,
+            "net/batches_accepted": c.accepted,
+            "net/batches_duplicate": c.duplicates,
+            "net/batches_deferred": c.deferred,
+            "net/batches_rejected": c.refused,
+            "net/bytes_received": c.bytes_received,
         }
 
 

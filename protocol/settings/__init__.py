@@ -32,9 +32,11 @@ from .flags import add_adapter_flag, add_flag, add_set_flag, overrides_of
 from .roles import ADAPTER_FLAG_HELP, AdapterSettings, LearnerSettings, SamplerSettings, parse_adapter_flag
 from .run import (
     EXAMPLE,
+    MAX_LEARNER_KEYS,
     Run,
     RunConfig,
     RunSettings,
+    check_learner_keys,
     dump_run_config,
     load_run_config,
     parse_run_config,
@@ -57,6 +59,7 @@ __all__ = [
     "CHAT_MODES",
     "CHECKPOINT_DTYPES",
     "EXAMPLE",
+    "MAX_LEARNER_KEYS",
     "OBJECTIVES",
     "SPEC_FORMAT",
     "TINY_MODEL",
@@ -78,6 +81,7 @@ __all__ = [
     "add_flag",
     "add_set_flag",
     "apply_overrides",
+    "check_learner_keys",
     "check_update_fits",
     "default_of",
     "dump_run_config",

@@ -27,6 +27,17 @@ from .trust import TrustSettings
 
 log = logging.getLogger(__name__)
 
+MAX_LEARNER_KEYS = 1  # one learner per run until learner peers land
+
+
+def check_learner_keys(keys: tuple | list) -> None:
+    """ValueError for a run that names more learners than a run can have (one): several learners are not
+    supported yet (honest samplers would get banned); the coordinator refuses to sign such a RunSpec, a peer
+    to join one."""
+    if len(keys) > MAX_LEARNER_KEYS:
+        raise ValueError(f"learner_keys lists {len(keys)} keys; one learner per run until learner peers land")
+
+
 EXAMPLE = """\
 # A HeteroRL run. `heterorl coordinator --run-config run.toml` signs a RunSpec from this file.
 run_id = "my-run"                  # omit to get a random one
@@ -130,6 +141,7 @@ class RunConfig(Run):
                 ok = False
             if not ok:
                 raise ValueError(f"learner_keys: {k[:16]!r}… is not 64 hex characters")
+        check_learner_keys(self.learner_keys)
         if self.adapter is not None and self.adapter.base_hash:
             raise ValueError("adapter.base_hash is computed by the coordinator from the model, not set")
 
@@ -204,13 +216,16 @@ class RunSettings(Run):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_learner_keys(self.learner_keys)
         if self.adapter is not None and not self.adapter.base_hash:
             raise ValueError("an adapter run's spec must name its base model's hash (adapter.base_hash)")
 
     @classmethod
     def read_spec(cls, body: Mapping[str, Any]) -> tuple[RunSettings, list[str]]:
         """The settings in a RunSpec body, and the dotted names of those this peer does not know (a newer
-        coordinator's), which it ignores; ValueError for a format it does not read or a bad value."""
+        coordinator's), which it ignores; ValueError for a format it does not read or a bad value, or a run
+        with more learners than a run can have (:func:`check_learner_keys`)."""
+        check_learner_keys(body["learner_keys"])
         data = spec.settings_data(body)
         data.update(
             run_id=body["run_id"],
