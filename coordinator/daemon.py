@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import signal
 import sys
 import threading
 import time
@@ -20,7 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from heterorl.protocol.settings import Run, RunConfig, add_set_flag, load_run_config, overrides_of
+from heterorl.protocol.settings import (
+    Run,
+    RunConfig,
+    add_set_flag,
+    check_learner_keys,
+    load_run_config,
+    overrides_of,
+)
 from heterorl.protocol.storage.files import atomic_write
 from heterorl.protocol.wire.dataset import MAX_DATASET_BYTES
 
@@ -81,6 +87,10 @@ def _sign_spec(
         _, body, author = decode(raw, "RunSpec")
         if author != identity.public_key:
             raise ValueError(f"{stored} was signed by another key than {args.key or 'this coordinator'}'s")
+        try:  # signed before runs were held to one learner: not served again
+            check_learner_keys(body["learner_keys"])
+        except ValueError as e:
+            raise ValueError(f"{stored}: {e}; start a new run (a new --state-dir)") from None
         log.info("resuming run %s with its stored RunSpec (%s)", body["run_id"], stored)
         if args.run_config or overrides_of(args):
             log.info(
@@ -122,6 +132,7 @@ def run(args: argparse.Namespace, initial_state: InitialState, check_dataset: Ch
     from heterorl.protocol.net.flags import net_config_from_args
     from heterorl.protocol.net.node import Node
     from heterorl.protocol.net.spec import SpecServer
+    from heterorl.protocol.signals import install_stop_signals
 
     from .dashboard import DashboardServer, prometheus_text
     from .view import SwarmView
@@ -143,8 +154,7 @@ def run(args: argparse.Namespace, initial_state: InitialState, check_dataset: Ch
         return 2
     _, spec, _ = decode(raw, "RunSpec")
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    install_stop_signals(stop.set, log)  # the handler takes no lock; a second signal leaves at once
     try:
         node = Node.start(identity, config)
     except RuntimeError as e:

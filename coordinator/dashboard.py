@@ -19,15 +19,22 @@ import logging
 import math
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
+
+from prometheus_client import exposition
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DashboardServer", "prometheus_text"]
 
 PAGE_RESOURCE = ("heterorl.coordinator", "static/dashboard.html")
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# generate_latest writes the 0.0.4 text format. Newer prometheus_client names it CONTENT_TYPE_PLAIN_0_0_4
+# and means the 1.0.0 format (UTF-8 names) by CONTENT_TYPE_LATEST; older ones have only CONTENT_TYPE_LATEST.
+PROMETHEUS_CONTENT_TYPE: str = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", exposition.CONTENT_TYPE_LATEST)
 # The page loads nothing from elsewhere; say so, so a browser refuses if it ever tried to.
 PAGE_CSP = "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' data:"
 STOP_TIMEOUT_S = 5.0
@@ -168,49 +175,66 @@ class DashboardServer:
         self.stop()
 
 
-# ---- Prometheus text exposition (https://prometheus.io/docs/instrumenting/exposition_formats/) ----
+# ---- Prometheus metrics (https://prometheus.io/docs/instrumenting/exposition_formats/) ----
+
+# Learner figures from its heartbeat's stats: (stat name, counter?, metric name, help). Counters are named
+# without ``_total`` (the client adds it); they restart from 0 when the learner does, as counters may.
+LEARNER_STATS: tuple[tuple[str, bool, str, str], ...] = (
+    (
+        "buffer",
+        False,
+        "heterorl_learner_buffer_batches",
+        "Accepted trajectory batches waiting to be trained on.",
+    ),
+    (
+        "wait_frac",
+        False,
+        "heterorl_learner_wait_ratio",
+        "Share of the learner's time spent waiting for batches rather than training, since it started.",
+    ),
+    (
+        "trust/held",
+        False,
+        "heterorl_learner_trust_held_batches",
+        "Accepted batches held until a spot check vouches for their author.",
+    ),
+    ("trust/banned", False, "heterorl_learner_trust_banned_authors", "Batch authors the learner has banned."),
+    (
+        "duplicates",
+        True,
+        "heterorl_learner_duplicate_batches",
+        "Trajectory batches the learner received again after taking them once (acknowledged, not reused).",
+    ),
+    (
+        "deferred",
+        True,
+        "heterorl_learner_deferred_batches",
+        "Trajectory batches the learner told their sampler to send again later (buffer full, or admission "
+        "deferred).",
+    ),
+    (
+        "publish_failures",
+        True,
+        "heterorl_learner_publish_failures",
+        "Checkpoint announcements to the DHT that failed (each is tried again).",
+    ),
+    (
+        "trust/checked",
+        True,
+        "heterorl_learner_trust_checked_batches",
+        "Trajectory batches the learner's spot checks recomputed.",
+    ),
+)
 
 
-def _escape_label(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _number(x: object) -> str | None:
-    """The sample value as Prometheus writes it, or None for anything that is not a number."""
-    if isinstance(x, bool):
-        return "1" if x else "0"
-    if isinstance(x, int):
-        return str(x)
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "NaN"
-        if math.isinf(x):
-            return "+Inf" if x > 0 else "-Inf"
-        return repr(x)
-    return None
-
-
-class _Exposition:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def metric(
-        self, name: str, kind: str, help_: str, samples: list[tuple[dict[str, object], object]]
-    ) -> None:
-        self.lines += [f"# HELP {name} {_escape_help(help_)}", f"# TYPE {name} {kind}"]
-        for labels, value in samples:
-            v = _number(value)
-            if v is None:
-                continue
-            lab = ",".join(f'{k}="{_escape_label(val)}"' for k, val in labels.items())
-            self.lines.append(f"{name}{{{lab}}} {v}" if lab else f"{name} {v}")
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+def _value(x: object) -> float | None:
+    """``x`` as a sample value, or None for anything that is not a number (which gives no sample)."""
+    if not isinstance(x, (bool, int, float)):
+        return None
+    try:
+        return float(x)
+    except OverflowError:  # an int beyond float's range
+        return math.inf if x > 0 else -math.inf
 
 
 def _dict(x: object) -> dict:
@@ -230,80 +254,116 @@ def _last(curve: object, i: int) -> object:
 
 def _checkpoint_version(view: dict, learner: dict) -> object:
     for v in (learner.get("version"), view.get("latest_version")):
-        if _number(v) is not None:
+        if _value(v) is not None:
             return v
     versions = [c.get("version") for c in _list(view.get("checkpoints")) if isinstance(c, dict)]
-    versions = [v for v in versions if _number(v) is not None]
+    versions = [v for v in versions if _value(v) is not None]
     return max(versions) if versions else None
+
+
+def _learner_stats(learner: dict, peers: list[dict]) -> dict:
+    """The learner's latest heartbeat stats: its peer entry's, over what the view's learner dict holds under
+    the same names (``wait_frac``). The view keeps a peer's key to 8 hex digits, so the entry is the learner
+    peer with the prefix of the learner's key; none where two share it (one ground to match, say)."""
+    key = learner.get("key")
+    mine = [
+        p for p in peers if isinstance(key, str) and p.get("role") == "learner" and p.get("key") == key[:8]
+    ]
+    return {**learner, **(_dict(mine[0].get("stats")) if len(mine) == 1 else {})}
+
+
+def _family(
+    name: str,
+    help_: str,
+    samples: list[tuple[tuple[object, ...], object]],
+    labels: tuple[str, ...] = (),
+    counter: bool = False,
+) -> Metric:
+    """One metric family; a sample whose value is not a number is left out."""
+    family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, help_, labels=list(labels))
+    for label_values, x in samples:
+        v = _value(x)
+        if v is not None:
+            family.add_metric([str(lv) for lv in label_values], v)
+    return family
+
+
+class _ViewCollector:
+    """A collector over one swarm view, registered on a registry of its own for one rendering."""
+
+    def __init__(self, view: dict):
+        self.view = view
+
+    def collect(self) -> Iterator[Metric]:
+        view = self.view
+        learner = _dict(view.get("learner"))
+        peers = [p for p in _list(view.get("peers")) if isinstance(p, dict)]
+        alive: dict[str, int] = {"learner": 0, "sampler": 0}
+        for p in peers:
+            role = str(p.get("role", "unknown"))
+            alive[role] = alive.get(role, 0) + bool(p.get("alive"))
+        eval_curve = learner.get("eval_curve")
+
+        yield _family(
+            "heterorl_peers_alive",
+            "Peers with a fresh heartbeat, by role.",
+            [((r,), n) for r, n in sorted(alive.items())],
+            ("role",),
+        )
+        yield _family("heterorl_learner_step", "Learner optimizer step.", [((), learner.get("step"))])
+        yield _family(
+            "heterorl_learner_reward",
+            "Mean reward of the latest learner update.",
+            [((), _last(learner.get("reward_curve"), 1))],
+        )
+        yield _family(
+            "heterorl_learner_eval_sampled",
+            "Expected reward of the learner's policy on held-out prompts, sampled at the run's temperature "
+            "(latest evaluation).",
+            [((), _last(eval_curve, 1))],
+        )
+        yield _family(
+            "heterorl_learner_eval_greedy",
+            "Expected reward of the learner's policy on held-out prompts, greedy decoding "
+            "(latest evaluation).",
+            [((), _last(eval_curve, 2))],
+        )
+        yield _family(
+            "heterorl_batches_accepted",
+            "Trajectory batches the learner accepted.",
+            [((), learner.get("accepted"))],
+            counter=True,
+        )
+        yield _family(
+            "heterorl_batches_rejected",
+            "Trajectory batches the learner rejected (invalid, forged or replayed).",
+            [((), learner.get("rejected"))],
+            counter=True,
+        )
+        yield _family(
+            "heterorl_checkpoint_version",
+            "Latest published checkpoint version.",
+            [((), _checkpoint_version(view, learner))],
+        )
+        yield _family(
+            "heterorl_peer_tokens_per_second",
+            "Generation or training throughput reported by each peer.",
+            [((p.get("key", ""), p.get("role", "unknown")), p.get("tokens_per_s")) for p in peers],
+            ("peer", "role"),
+        )
+        yield _family(
+            "heterorl_staleness_batches",
+            "Batches the learner used, by staleness bucket (policy versions behind).",
+            [((b,), n) for b, n in _dict(learner.get("staleness_hist")).items()],
+            ("bucket",),
+        )
+        stats = _learner_stats(learner, peers)
+        for stat, counter, name, help_ in LEARNER_STATS:
+            yield _family(name, help_, [((), stats.get(stat))], counter=counter)
 
 
 def prometheus_text(view: dict) -> str:
     """Render a swarm view (the ``/api/view`` dict) as Prometheus text; missing parts give no samples."""
-    learner = _dict(view.get("learner"))
-    peers = [p for p in _list(view.get("peers")) if isinstance(p, dict)]
-    alive: dict[str, int] = {"learner": 0, "sampler": 0}
-    for p in peers:
-        role = str(p.get("role", "unknown"))
-        alive[role] = alive.get(role, 0) + bool(p.get("alive"))
-    last_reward = _last(learner.get("reward_curve"), 1)
-    last_sampled = _last(learner.get("eval_curve"), 1)
-    last_greedy = _last(learner.get("eval_curve"), 2)
-
-    out = _Exposition()
-    out.metric(
-        "heterorl_peers_alive",
-        "gauge",
-        "Peers with a fresh heartbeat, by role.",
-        [({"role": r}, n) for r, n in sorted(alive.items())],
-    )
-    out.metric("heterorl_learner_step", "gauge", "Learner optimizer step.", [({}, learner.get("step"))])
-    out.metric(
-        "heterorl_learner_reward", "gauge", "Mean reward of the latest learner update.", [({}, last_reward)]
-    )
-    out.metric(
-        "heterorl_learner_eval_sampled",
-        "gauge",
-        "Expected reward of the learner's policy on held-out prompts, sampled at the run's temperature "
-        "(latest evaluation).",
-        [({}, last_sampled)],
-    )
-    out.metric(
-        "heterorl_learner_eval_greedy",
-        "gauge",
-        "Expected reward of the learner's policy on held-out prompts, greedy decoding (latest evaluation).",
-        [({}, last_greedy)],
-    )
-    out.metric(
-        "heterorl_batches_accepted_total",
-        "counter",
-        "Trajectory batches the learner accepted.",
-        [({}, learner.get("accepted"))],
-    )
-    out.metric(
-        "heterorl_batches_rejected_total",
-        "counter",
-        "Trajectory batches the learner rejected (invalid, forged or replayed).",
-        [({}, learner.get("rejected"))],
-    )
-    out.metric(
-        "heterorl_checkpoint_version",
-        "gauge",
-        "Latest published checkpoint version.",
-        [({}, _checkpoint_version(view, learner))],
-    )
-    out.metric(
-        "heterorl_peer_tokens_per_second",
-        "gauge",
-        "Generation or training throughput reported by each peer.",
-        [
-            ({"peer": p.get("key", ""), "role": p.get("role", "unknown")}, p.get("tokens_per_s"))
-            for p in peers
-        ],
-    )
-    out.metric(
-        "heterorl_staleness_batches",
-        "gauge",
-        "Batches the learner used, by staleness bucket (policy versions behind).",
-        [({"bucket": b}, n) for b, n in _dict(learner.get("staleness_hist")).items()],
-    )
-    return out.text()
+    registry = CollectorRegistry()  # one of its own: no global state, no process or GC collectors
+    registry.register(_ViewCollector(view))
+    return generate_latest(registry).decode()

@@ -16,6 +16,7 @@ from collections import Counter
 
 import pytest
 from chromium import find_chromium, headless, read_png
+from prometheus_client.parser import text_string_to_metric_families
 
 from heterorl.coordinator import view as view_module
 from heterorl.coordinator.dashboard import DashboardServer, prometheus_text
@@ -23,6 +24,38 @@ from heterorl.coordinator.view import SwarmView
 from heterorl.protocol.net.node import Record
 from heterorl.protocol.wire.messages import pack_stats
 
+# Every metric family /metrics has, as its TYPE line names it.
+FAMILIES = {
+    "heterorl_peers_alive": "gauge",
+    "heterorl_learner_step": "gauge",
+    "heterorl_learner_reward": "gauge",
+    "heterorl_learner_eval_sampled": "gauge",
+    "heterorl_learner_eval_greedy": "gauge",
+    "heterorl_batches_accepted_total": "counter",
+    "heterorl_batches_rejected_total": "counter",
+    "heterorl_checkpoint_version": "gauge",
+    "heterorl_peer_tokens_per_second": "gauge",
+    "heterorl_staleness_batches": "gauge",
+    "heterorl_learner_buffer_batches": "gauge",
+    "heterorl_learner_wait_ratio": "gauge",
+    "heterorl_learner_trust_held_batches": "gauge",
+    "heterorl_learner_trust_banned_authors": "gauge",
+    "heterorl_learner_duplicate_batches_total": "counter",
+    "heterorl_learner_deferred_batches_total": "counter",
+    "heterorl_learner_publish_failures_total": "counter",
+    "heterorl_learner_trust_checked_batches_total": "counter",
+}
+# The learner's heartbeat stats in realistic_view, and the metric each one is exposed as.
+LEARNER_STATS = {
+    "buffer": ("heterorl_learner_buffer_batches", 5.0),
+    "wait_frac": ("heterorl_learner_wait_ratio", 0.125),
+    "trust/held": ("heterorl_learner_trust_held_batches", 2.0),
+    "trust/banned": ("heterorl_learner_trust_banned_authors", 1.0),
+    "duplicates": ("heterorl_learner_duplicate_batches_total", 7.0),
+    "deferred": ("heterorl_learner_deferred_batches_total", 11.0),
+    "publish_failures": ("heterorl_learner_publish_failures_total", 0.0),
+    "trust/checked": ("heterorl_learner_trust_checked_batches_total", 30.0),
+}
 PLOTS = ("plot-reward", "plot-eval", "plot-staleness", "plot-is", "plot-throughput", "plot-checkpoints")
 REWARD_RGB = (0x09, 0x69, 0xDA)  # PALETTE[0] in dashboard.html, the reward line
 
@@ -31,7 +64,7 @@ def realistic_view(now: float | None = None) -> dict:
     """A view shaped like ``SwarmView.snapshot``: a learner, samplers (one dead, one hostile), long curves."""
     now = time.time() if now is None else now
 
-    def peer(key, role, state, version, tps, alive=True, rejected=0, seen=1.5):
+    def peer(key, role, state, version, tps, alive=True, rejected=0, seen=1.5, stats=None):
         return {
             "key": key,
             "role": role,
@@ -44,7 +77,7 @@ def realistic_view(now: float | None = None) -> dict:
             "last_seen_s": seen,
             "alive": alive,
             "rejected": rejected,
-            "stats": {"batches_sent": 12.0},
+            "stats": stats or {"batches_sent": 12.0},
         }
 
     steps = range(1, 37)
@@ -58,7 +91,14 @@ def realistic_view(now: float | None = None) -> dict:
         },
         "spec": {"model": "runs/tiny-model", "task": "arithmetic", "objective": "gepo"},
         "peers": [
-            peer("1ea4e7a0", "learner", "training", 9, 850.0),
+            peer(
+                "1ea4e7a0",
+                "learner",
+                "training",
+                9,
+                850.0,
+                stats={"step": 36.0, "accepted": 140.0, **{k: v for k, (_, v) in LEARNER_STATS.items()}},
+            ),
             peer("ab12cd34", "sampler", "generating", 9, 120.5),
             peer("cd34ef56", "sampler", "generating", 8, 64.25),
             peer("77aa88bb", "sampler", "generating", 3, 0.0, alive=False, seen=42.0),
@@ -69,8 +109,9 @@ def realistic_view(now: float | None = None) -> dict:
         ],
         "latest_version": 9,
         "learner": {
-            "key": "1ea4e7a0",
+            "key": "1ea4e7a0" + "5" * 56,  # the full key; a peer's is its first 8 hex digits
             "step": 36,
+            "wait_frac": 0.125,
             "version": 9,
             "accepted": 140,
             "rejected": 4,
@@ -136,6 +177,13 @@ def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
             unescaped = {k: re.sub(r"\\(.)", lambda c: "\n" if c[1] == "n" else c[1], v) for k, v in pairs}
             out[name, frozenset(unescaped.items())] = float(value)
     return out
+
+
+def type_lines(text: str) -> dict[str, str]:
+    """The metric families' ``# TYPE name type`` lines, as {name: type}; each family once."""
+    types = [line.split()[2:] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len({name for name, _ in types}) == len(types), types
+    return dict(types)
 
 
 def sample(metrics: dict, name: str, **labels: str) -> float:
@@ -310,6 +358,8 @@ def test_metrics_match_view(dashboard):
         assert tps == p["tokens_per_s"]
     for bucket, n in learner["staleness_hist"].items():
         assert sample(m, "heterorl_staleness_batches", bucket=bucket) == n
+    for name, value in LEARNER_STATS.values():
+        assert sample(m, name) == value, name
 
 
 def test_errors_in_view_give_500_and_server_survives(dashboard, caplog):
@@ -368,29 +418,111 @@ def test_prometheus_missing_and_odd_values():
         ("heterorl_peers_alive", frozenset({("role", "learner")})): 0,
         ("heterorl_peers_alive", frozenset({("role", "sampler")})): 0,
     }
-    assert text.count("# TYPE ") == 10 and text.endswith("\n")
+    assert type_lines(text) == FAMILIES and text.endswith("\n")
 
     view = {
         "latest_version": 4,
         "learner": {"step": None, "reward_curve": [[3, float("nan")]], "accepted": True, "rejected": "x"},
-        "peers": [{"key": "k", "role": "sampler", "tokens_per_s": float("inf"), "alive": True}],
+        "peers": [
+            {"key": "k", "role": "sampler", "tokens_per_s": float("inf"), "alive": True},
+            {"key": "j", "role": "sampler", "tokens_per_s": -float("inf"), "alive": False},
+            {"key": "h", "role": "sampler", "tokens_per_s": 10**400, "alive": False},  # beyond a float
+        ],
     }
-    lines = prometheus_text(view).splitlines()
-    assert "heterorl_learner_reward NaN" in lines
+    text = prometheus_text(view)
+    lines = text.splitlines()
+    assert "heterorl_learner_reward NaN" in lines  # NaN and infinities as Prometheus spells them
     assert 'heterorl_peer_tokens_per_second{peer="k",role="sampler"} +Inf' in lines
-    assert "heterorl_checkpoint_version 4" in lines  # falls back to latest_version
-    assert "heterorl_batches_accepted_total 1" in lines
-    skipped = ("heterorl_learner_step ", "heterorl_batches_rejected_total ")  # None and "x": no sample
+    assert 'heterorl_peer_tokens_per_second{peer="j",role="sampler"} -Inf' in lines
+    assert 'heterorl_peer_tokens_per_second{peer="h",role="sampler"} +Inf' in lines
+    m = parse_metrics(text)
+    assert sample(m, "heterorl_checkpoint_version") == 4  # falls back to latest_version
+    assert sample(m, "heterorl_batches_accepted_total") == 1  # a bool counts as 0/1
+    assert sample(m, "heterorl_peers_alive", role="sampler") == 1
+    skipped = ("heterorl_learner_step", "heterorl_batches_rejected_total")  # None and "x": no sample
+    assert not [k for k in m if k[0] in skipped]
     assert not any(line.startswith(skipped) for line in lines)
-    from_list = prometheus_text({"checkpoints": [{"version": 7}, {"version": 2}]})
-    assert "heterorl_checkpoint_version 7" in from_list.splitlines()
+    from_list = parse_metrics(prometheus_text({"checkpoints": [{"version": 7}, {"version": 2}, "x"]}))
+    assert sample(from_list, "heterorl_checkpoint_version") == 7
     # an evaluation without a greedy figure, and malformed eval curves, give no sample rather than an error
-    only_sampled = prometheus_text({"learner": {"eval_curve": [[4, 0.5, None]]}}).splitlines()
-    assert "heterorl_learner_eval_sampled 0.5" in only_sampled
-    assert not any(line.startswith("heterorl_learner_eval_greedy ") for line in only_sampled)
-    for odd in ([], [[4]], "x", [None], [[4, "a", "b"]]):
-        lines = prometheus_text({"learner": {"eval_curve": odd}}).splitlines()
-        assert not any(line.startswith("heterorl_learner_eval_") for line in lines), odd
+    only_sampled = parse_metrics(prometheus_text({"learner": {"eval_curve": [[4, 0.5, None]]}}))
+    assert sample(only_sampled, "heterorl_learner_eval_sampled") == 0.5
+    assert ("heterorl_learner_eval_greedy", frozenset()) not in only_sampled
+    for odd in ([], [[4]], "x", [None], [[4, "a", "b"]], [[4, 0.5, 0.6], "x"], {"a": 1}):
+        m = parse_metrics(prometheus_text({"learner": {"eval_curve": odd}}))
+        assert not [k for k in m if k[0].startswith("heterorl_learner_eval_")], odd
+    # odd shapes elsewhere: no error, no sample
+    odd_view = {"learner": "x", "peers": ["x", None, {"role": "sampler"}], "checkpoints": {"version": 3}}
+    assert parse_metrics(prometheus_text(odd_view)) == {
+        ("heterorl_peers_alive", frozenset({("role", "learner")})): 0,
+        ("heterorl_peers_alive", frozenset({("role", "sampler")})): 0,
+    }
+
+
+def test_prometheus_learner_stats_come_from_the_learners_heartbeat():
+    view = realistic_view()
+    m = parse_metrics(prometheus_text(view))
+    for name, value in LEARNER_STATS.values():
+        assert sample(m, name) == value, name
+    # another learner (an old identity) with other figures: the view's learner is matched by key prefix
+    other = {"key": "0badf00d", "role": "learner", "alive": False, "stats": {"buffer": 99.0, "deferred": 1.0}}
+    m = parse_metrics(prometheus_text({**view, "peers": [other, *view["peers"]]}))
+    assert sample(m, "heterorl_learner_buffer_batches") == 5.0
+    assert sample(m, "heterorl_learner_deferred_batches_total") == 11.0
+    # a sampler with the learner's key prefix is no learner; a second learner with it makes it ambiguous
+    learner_metrics = {name for name, _ in LEARNER_STATS.values()}
+    twin = {**other, "key": "1ea4e7a0", "role": "sampler"}
+    m = parse_metrics(prometheus_text({**view, "peers": [twin, *view["peers"]]}))
+    assert sample(m, "heterorl_learner_buffer_batches") == 5.0
+    m = parse_metrics(prometheus_text({**view, "peers": [{**twin, "role": "learner"}, *view["peers"]]}))
+    assert {k[0] for k in m if k[0] in learner_metrics} == {"heterorl_learner_wait_ratio"}
+    # the heartbeat is fresher than the view's learner dict (which the view skips updating on some heartbeats)
+    learner = {**view["learner"], "wait_frac": 0.9}
+    assert sample(
+        parse_metrics(prometheus_text({**view, "learner": learner})), "heterorl_learner_wait_ratio"
+    ) == (0.125)
+    # no heartbeat entry for the learner: only what its dict holds (wait_frac), nothing else
+    alone = parse_metrics(prometheus_text({**view, "peers": [other]}))
+    assert {k[0] for k in alone if k[0] in learner_metrics} == {"heterorl_learner_wait_ratio"}
+    assert sample(alone, "heterorl_learner_wait_ratio") == 0.125
+    # a learner dict without a key matches no peer; stats that are not numbers, or not a dict, give no sample
+    keyless = {k: v for k, v in view["learner"].items() if k not in ("key", "wait_frac")}
+    assert not {
+        k for k in parse_metrics(prometheus_text({**view, "learner": keyless})) if k[0] in learner_metrics
+    }
+    for stats in ({"buffer": "5", "duplicates": None, "trust/held": [1]}, "x", None):
+        peers = [{**p, "stats": stats} if p["role"] == "learner" else p for p in view["peers"]]
+        m = parse_metrics(prometheus_text({**view, "peers": peers}))
+        assert {k[0] for k in m if k[0] in learner_metrics} == {"heterorl_learner_wait_ratio"}, stats
+
+
+def test_prometheus_text_parses_with_the_client_parser():
+    view = realistic_view()
+    text = prometheus_text(view)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    # the parser names a counter family without "_total"; its samples keep it
+    names = {n.removesuffix("_total") if t == "counter" else n: t for n, t in FAMILIES.items()}
+    assert {n: f.type for n, f in families.items()} == names  # ours only: no process_*, python_gc_*, ...
+    assert all(f.documentation for f in families.values())
+    samples = {(s.name, frozenset(s.labels.items())): s.value for f in families.values() for s in f.samples}
+    assert samples == parse_metrics(text)
+    learner = view["learner"]
+    assert samples["heterorl_batches_accepted_total", frozenset()] == learner["accepted"]
+    assert [(s.labels, s.value) for s in families["heterorl_staleness_batches"].samples] == [
+        ({"bucket": b}, n) for b, n in learner["staleness_hist"].items()
+    ]
+    tps = {s.labels["peer"]: s.value for s in families["heterorl_peer_tokens_per_second"].samples}
+    assert tps == {p["key"]: p["tokens_per_s"] for p in view["peers"]}
+    assert samples["heterorl_learner_eval_greedy", frozenset()] == learner["eval_curve"][-1][2]
+    for name, value in LEARNER_STATS.values():
+        assert samples[name, frozenset()] == value, name
+    # a nasty label value survives the round trip
+    nasty = 'a"b\\c\nd}{,=é'
+    text = prometheus_text({"peers": [{"key": nasty, "role": "sampler", "tokens_per_s": 2.5}]})
+    (s,) = next(
+        f for f in text_string_to_metric_families(text) if f.name == "heterorl_peer_tokens_per_second"
+    ).samples
+    assert s.labels == {"peer": nasty, "role": "sampler"} and s.value == 2.5
 
 
 # ---- the page in a real browser ----
