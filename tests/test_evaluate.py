@@ -13,6 +13,7 @@ import torch
 
 from heterorl.peer.learner.evaluate import HeldOutEval
 from heterorl.peer.learner.intake import RewardCheck
+from heterorl.peer.learner.replica import ModelReplica
 from heterorl.peer.model import build_tokenizer, load_model
 from heterorl.peer.model.prompts import PromptFormat
 from heterorl.peer.rollout import SamplingParams
@@ -167,6 +168,33 @@ def test_greedy_is_the_reward_of_each_prompts_argmax_completion(tiny):
             seq.append(nxt)
         right += ev.task.reward(ex.prompt, tok.decode(seq[len(ids) :]), ex.reference)
     assert got == pytest.approx(right / 100)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_published_weights_score_what_a_model_holding_them_scores(tiny_model_dir, dtype):
+    """``of_weights``: the weights loaded into the learner's replica (the run's model loaded again), scored
+    as the evaluator scores a model holding them; the same tag is not loaded twice."""
+    policy, tok = load_model(tiny_model_dir)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    published = {k: v.to(getattr(torch, dtype)) for k, v in policy.state_dict().items()}
+    holder, _ = load_model(tiny_model_dir)
+    holder.load_state_dict(published)  # the published weights, cast into a float32 model
+    replica = ModelReplica(lambda: load_model(tiny_model_dir)[0])
+
+    def scores(out: dict) -> dict:
+        return {k: v for k, v in out.items() if k != "eval/time_s"}
+
+    ev = _eval(tok, top_p=0.9, temperature=0.7)
+    want = scores(ev(holder))
+    assert scores(ev.of_weights(replica, published, 3)) == want
+    ev._exact = None  # the seeded sampled path too
+    ev.samples = 2
+    assert scores(ev.of_weights(replica, published, 3)) == scores(ev(holder))
+    assert replica.loads == 1 and replica.builds == 1
+    assert scores(ev(replica.model)) != scores(ev(load_model(tiny_model_dir)[0]))  # it did take the weights
 
 
 def test_a_policy_trained_toward_the_answers_scores_higher(tiny, tiny_model_dir):

@@ -1,5 +1,6 @@
-"""SpotCheck on real rollouts of the tiny model: honest rows pass, forged log-probs and a wrong version claim
-are refused with a strike, a version no longer held is refused without one."""
+"""SpotCheck on real rollouts of the tiny model, checked in a ModelReplica: honest rows pass, forged log-probs
+and a wrong version claim are refused with a strike, a version no longer held is refused without one, and a
+check that fails on the learner's side (an out-of-memory, any error in the model) defers the batch."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import random
 import pytest
 import torch
 
-from heterorl.peer.learner.intake import Refusal
+from heterorl.peer.learner.intake import Admission, Refusal
+from heterorl.peer.learner.replica import ModelReplica
 from heterorl.peer.learner.reputation import Reputation
 from heterorl.peer.learner.spotcheck import SpotCheck, VersionWeights
 from heterorl.peer.model import load_model
 from heterorl.peer.model.prompts import PromptFormat
 from heterorl.peer.rollout import SamplingParams, make_backend
 from heterorl.peer.tasks import get_task
+from heterorl.protocol.net.trajectories import Deferral
 from heterorl.protocol.settings import TrustSettings
 from heterorl.protocol.wire.checkpoint import serialize_state_dict
 
@@ -75,11 +78,14 @@ def world(tiny_model_dir):
     return model, tok, weights, rows
 
 
-def make_check(world, load=None, trust: TrustSettings | None = None, top_p: float = TOP_P) -> SpotCheck:
+def make_check(
+    world, load=None, trust: TrustSettings | None = None, top_p: float = TOP_P, factory=None
+) -> SpotCheck:
+    """A checker whose replica is the run's model loaded again (as the learner builds it)."""
     model, tok, weights, _ = world
     trust = trust or TrustSettings()
     return SpotCheck(
-        model,
+        ModelReplica(factory or (lambda: load_model(tiny_model_dir_of(world))[0])),
         VersionWeights(load or weights.get, trust.check_versions),
         Reputation(trust, buffer_capacity=64),
         trust,
@@ -145,11 +151,13 @@ def test_rows_of_another_version_are_refused(world):
     # and back: version 0's rows claiming version 0 pass (the checker switches its weights)
     assert check(batch(rows[0], 0), b"3" * 32) is None, check.last
     assert check.versions.loads == 2  # each version loaded once
+    assert check.replica.loads == 2 and check.replica.builds == 1  # into the replica: once per switch
     # version 1's rows claiming version 0 do not
     out = check(batch(rows[1], 0), b"4" * 32)
     assert isinstance(out, Refusal) and out.strike, check.last
     assert check.last.stats["logprob_dev"] > TrustSettings().max_logprob_dev
-    # the checker's own copy took the weights: the model it was given is untouched
+    assert check.replica.loads == 2  # still version 0's weights: not copied again
+    # the replica took the weights: the model the rows came from is untouched
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
 
@@ -260,3 +268,69 @@ def test_one_foreign_row_among_honest_seeded_ones_is_refused(world):
         s["reproduced"] >= SEEDED_TRUST.min_reproduced
     )  # the batch as a whole passes: only the row check sees it
     assert s["logprob_gap"] < SEEDED_TRUST.max_logprob_gap and abs(s["z"]) < SEEDED_TRUST.max_typicality_z
+
+
+# ---- a check that fails on this side: no verdict, the batch deferred and retried ----
+
+
+def failing_factory(world, errors: list[Exception]):
+    """The run's model, whose forward raises each of ``errors`` in turn before it works again."""
+
+    def factory():
+        model = load_model(tiny_model_dir_of(world))[0]
+        forward = model.forward
+
+        def failing(*args, **kwargs):
+            if errors:
+                raise errors.pop(0)
+            return forward(*args, **kwargs)
+
+        model.forward = failing
+        return model
+
+    return factory
+
+
+@pytest.mark.parametrize(
+    "error",
+    [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), RuntimeError("CUBLAS failed")],
+    ids=["oom", "runtime"],
+)
+def test_a_failure_inside_the_checker_defers_an_honest_batch_and_its_retry_passes(world, error):
+    _, _, _, rows = world
+    check = make_check(world, factory=failing_factory(world, [error]))
+    strikes: list[tuple] = []
+    admission = Admission([("spot check", check)], on_strike=lambda *a: strikes.append(a))
+    author, body = b"o" * 32, batch(rows[0], 0)
+    out = admission(body, author)
+    assert isinstance(out, Deferral), out  # not accepted, not refused: the sampler keeps it and retries
+    assert type(error).__name__ in out.reason and out.retry_after_s > 0
+    assert check.last.retry and not check.last.strike
+    assert admission.deferred["spot check"] == 1 and not admission.refused and not strikes
+    assert check.failed == 1 and check.refused == 0 and check.checked == 0 and check.unverifiable == 0
+    assert check.stats()["trust/check_failed"] == 1
+    assert check.reputation.record(author).passed == 0
+    # the sampler's retry: the checker works again, the batch passes and counts for its author
+    assert admission(body, author) is None, check.last
+    assert check.last.reason is None and not check.last.retry
+    assert check.checked == 1 and check.reputation.record(author).passed == 1
+
+
+def test_a_held_batch_whose_check_fails_gets_a_verdict_to_retry(world):
+    """The learner's sweep calls check() on held batches: a failure says retry, not refuse."""
+    _, _, _, rows = world
+    check = make_check(world, factory=failing_factory(world, [torch.OutOfMemoryError("CUDA out of memory")]))
+    author, body = b"h" * 32, batch(rows[0], 0)
+    verdict = check.check(body, author)
+    assert verdict.reason is not None and verdict.retry and not verdict.strike
+    assert check.reputation.record(author).passed == 0
+    verdict = check.check(body, author)
+    assert verdict.reason is None and not verdict.retry
+    assert check.reputation.record(author).passed == 1
+
+
+def test_a_version_no_longer_held_is_not_retried(world):
+    _, _, _, rows = world
+    check = make_check(world, load=lambda version: None)
+    verdict = check.check(batch(rows[0], 7), b"u" * 32)
+    assert verdict.reason is not None and not verdict.retry and not verdict.strike

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import dataclasses
 import json
 import logging
@@ -262,6 +263,7 @@ def _run_model_engine(
     import torch
     from tqdm import tqdm
 
+    from heterorl.peer.learner.replica import ModelReplica
     from heterorl.peer.learner.reputation import Reputation
     from heterorl.peer.learner.spotcheck import SpotCheck, VersionWeights
     from heterorl.peer.model import load_model
@@ -287,7 +289,7 @@ def _run_model_engine(
             backend.load_weights(deserialize_state_dict(data))  # what a sampler does with a new version
             reputation = Reputation(trust, buffer_capacity=64)
             check = SpotCheck(
-                model,
+                ModelReplica(lambda: copy.deepcopy(model)),
                 VersionWeights(lambda _v, data=data: data, 1),
                 reputation,
                 trust,

@@ -11,14 +11,20 @@ where it is small, else a fixed split no sampler trains on), two ways:
   ``samples`` draws per prompt, seeded (Gumbel-max), so two evaluations of the same weights agree and
   successive evaluations share their noise.
 * ``eval/greedy``: the reward of the greedy completion.
+
+The learner scores published weights (:meth:`HeldOutEval.of_weights`), loaded into its
+:class:`~.replica.ModelReplica`, never training's own model (sharded under FSDP); a model at hand is scored by
+calling the evaluator on it.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Hashable, Mapping
 
 import torch
+from torch import Tensor
 
 from ..model.logprobs import completion_logits, left_pad
 from ..model.prompts import PromptFormat
@@ -28,6 +34,7 @@ from ..rollout import SamplingParams
 from ..rollout.hf import HFBackend
 from ..rollout.stops import eos_mask
 from ..tasks import Example, Task
+from .replica import ModelReplica
 
 EXACT_ROWS_PER_FORWARD = 1024  # completions scored per forward pass on the exact path
 EVAL_SEED = 0x4556414C  # the sampled path's seeds: fixed, so successive evaluations share their noise
@@ -81,6 +88,15 @@ class HeldOutEval:
             "eval/prompts": float(len(self.examples)),
             "eval/time_s": time.perf_counter() - t0,
         }
+
+    def of_weights(
+        self, replica: ModelReplica, weights: Mapping[str, Tensor], tag: Hashable | None = None
+    ) -> dict[str, float]:
+        """What calling the evaluator gives for a model holding ``weights`` (a published state: the full
+        model's, or an adapter run's adapters), loaded into ``replica`` (skipped when ``tag`` is the one it
+        holds: the published version number for a version's published weights) and held throughout."""
+        with replica:
+            return self(replica.load(weights, tag))
 
     # ---- the exact path: Σ over rewarded completions of their probability under the sampling distribution
 

@@ -4,9 +4,11 @@ judge their behaviour log-probs and token choices (:mod:`.rollout_stats`).
 Which batches: all of an author's until it has a record, then ``trust.check_rate`` of them, drawn from the
 OS's randomness (:class:`.reputation.Reputation`). The weights of the claimed version come from the learner's
 own chunk store (every version it published, as the samplers received it, in the checkpoint dtype), a few
-kept in memory; the checker runs its own copy of the model, so training never waits on it nor shares its
-weights. A version the store no longer holds cannot be checked: the batch is refused without a strike (its
-data is that stale anyway).
+kept in memory, loaded into the learner's :class:`.replica.ModelReplica` (its own copy of the model, shared
+with the held-out evaluation), so training never waits on it nor shares its weights. A version the store no
+longer holds cannot be checked: the batch is refused without a strike (its data is that stale anyway). A
+check that fails on this side (weights that do not load, a CUDA out-of-memory, any error in the model) is no
+verdict on the batch: the sampler is told to retry it later (a :class:`Deferral`).
 
 The verdict (:func:`judge`) refuses a batch whose claimed log-probs disagree with the recomputation (the
 median over rows of each row's median ``exp(|Δ|) - 1``, or any one row's, or the mean ``|Δ|`` over all its
@@ -18,7 +20,6 @@ that holds tokens outside the top-p nucleus.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import logging
 import threading
@@ -28,12 +29,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from heterorl.protocol.net.trajectories import Deferral
 from heterorl.protocol.settings import TrustSettings
 from heterorl.protocol.wire.checkpoint import deserialize_state_dict
 from heterorl.protocol.wire.seeds import row_seed
 
 from ..model.logprobs import completion_logits
 from .intake import Refusal
+from .replica import ModelReplica
 from .reputation import Reputation
 from .rollout_stats import RowStats, row_stats
 from .rows import rows_from_bodies
@@ -43,6 +46,7 @@ log = logging.getLogger(__name__)
 # a row's own z is tested only when its tokens' variances sum to this: over a few near-certain tokens one
 # honest draw of a rare token gives z ~ 30 (p = 0.999 against 0.001), far from N(0, 1)
 ROW_Z_MIN_VARIANCE = 4.0
+CHECK_RETRY_AFTER_S = 5.0  # when the sampler retries a batch whose check failed on this side
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Verdict:
     reason: str | None  # None: passed
     strike: bool = True  # False: the batch could not be checked (not the author's fault)
     stats: dict = dataclasses.field(default_factory=dict)
+    retry: bool = False  # True: the check itself failed (this side's error); the batch may be checked again
 
 
 def judge(stats: RowStats, trust: TrustSettings, author_z: float | None = None) -> str | None:
@@ -148,11 +153,12 @@ class VersionWeights:
 
 
 class SpotCheck:
-    """``check(body, author) -> None | Refusal`` for the admission chain; ``last`` is the latest verdict."""
+    """``check(body, author) -> None | Refusal | Deferral`` for the admission chain; ``last`` is the latest
+    verdict. ``replica``: the model the claimed versions are loaded into (shared, held while checking)."""
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        replica: ModelReplica,
         versions: VersionWeights,
         reputation: Reputation,
         trust: TrustSettings,
@@ -162,31 +168,36 @@ class SpotCheck:
         top_p: float,
         run_id: str = "",
     ):
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)  # its own weights, never training's
+        self.replica = replica
         self.versions, self.reputation, self.trust = versions, reputation, trust
         self.pad_id, self.temperature, self.top_p, self.run_id = pad_id, temperature, top_p, run_id
         # per author: (tokens reproduced, tokens of seeded batches checked): what seeded sampling adds
         self.reproduced: collections.defaultdict[bytes, list[float]] = collections.defaultdict(
             lambda: [0.0, 0.0]
         )
-        self._loaded: int | None = None
-        self._lock = threading.Lock()  # one check at a time on the checker's model
+        self._lock = threading.Lock()  # the counters (the replica is held while it is read)
         self.checked = 0
         self.refused = 0
         self.unverifiable = 0
+        self.failed = 0  # checks that failed on this side: deferred, the batch retried later
         self.seconds = 0.0
         self.rows_checked = 0
         self.last: Verdict | None = None
 
-    def __call__(self, body: dict, author: bytes) -> str | Refusal | None:
+    def __call__(self, body: dict, author: bytes) -> str | Refusal | Deferral | None:
         if not self.reputation.should_check(author):
             return None
         verdict = self.check(body, author)
-        return None if verdict.reason is None else Refusal(verdict.reason, verdict.strike)
+        if verdict.reason is None:
+            return None
+        if verdict.retry:  # not accepted, not refused: the sampler keeps the batch and sends it again
+            return Deferral(verdict.reason, CHECK_RETRY_AFTER_S)
+        return Refusal(verdict.reason, verdict.strike)
 
     def check(self, body: dict, author: bytes) -> Verdict:
         """Verify a batch now and count a pass in the author's record (the batch then vouches for the
-        author's batches held before it); a refusal is the caller's to count."""
+        author's batches held before it); a refusal is the caller's to count. A verdict with ``retry`` is no
+        verdict on the batch (the check failed on this side): keep it, check it again later."""
         verdict = self.verify(body, author)
         self.last = verdict
         if verdict.reason is None:
@@ -198,14 +209,14 @@ class SpotCheck:
         """Recompute and judge one batch (counted in ``seconds``)."""
         t = time.perf_counter()
         try:
+            try:
+                stats = self._stats(body, author)
+            except Exception as e:  # weights that do not load, an out-of-memory, a failing model: this side's
+                log.warning("a batch could not be checked (retried later): %s: %s", type(e).__name__, e)
+                with self._lock:
+                    self.failed += 1
+                return Verdict(f"could not be checked now ({type(e).__name__})", strike=False, retry=True)
             with self._lock:
-                try:
-                    stats = self._stats(body, author)
-                except Exception as e:  # weights that do not load, a model that fails: not the author's fault
-                    log.warning("a batch could not be checked: %s: %s", type(e).__name__, e)
-                    self._loaded = None
-                    self.unverifiable += 1
-                    return Verdict(f"could not be checked ({type(e).__name__})", strike=False)
                 if stats is None:
                     self.unverifiable += 1
                     v = body["policy_version"]
@@ -239,26 +250,29 @@ class SpotCheck:
     @torch.no_grad()
     def _stats(self, body: dict, author: bytes) -> RowStats | None:
         version = body["policy_version"]
-        if self._loaded != version:
-            state = self.versions.get(version)
-            if state is None:
-                return None
-            self._loaded = None  # until the load completes
-            self.model.load_state_dict(state)
-            self._loaded = version
-        rows = rows_from_bodies([body], self.pad_id)
-        logits = completion_logits(self.model, rows.prompts, rows.completions, rows.mask, self.pad_id)
-        seeds = None
-        if body.get("seeded"):
-            bid = body["batch_id"]
-            seeds = [row_seed(self.run_id, author, bid, version, r) for r in range(len(body["rows"]))]
-        stats = row_stats(
-            logits, rows.completions, rows.mask, rows.logq, self.temperature, self.top_p, seeds=seeds
-        )
+        with self.replica:  # one reader at a time: the eval may share it
+            # the tag is the version: the replica holds its published weights (those of VersionWeights)
+            if self.replica.tag != version:
+                state = self.versions.get(version)
+                if state is None:
+                    return None
+                self.replica.load(state, version)
+            rows = rows_from_bodies([body], self.pad_id)
+            model = self.replica.model
+            logits = completion_logits(model, rows.prompts, rows.completions, rows.mask, self.pad_id)
+            seeds = None
+            if body.get("seeded"):
+                bid = body["batch_id"]
+                seeds = [row_seed(self.run_id, author, bid, version, r) for r in range(len(body["rows"]))]
+            stats = row_stats(
+                logits, rows.completions, rows.mask, rows.logq, self.temperature, self.top_p, seeds=seeds
+            )
+            del logits
         if stats.reproduced is not None:
-            tally = self.reproduced[author]
-            tally[0] += float(stats.reproduced.sum())
-            tally[1] += float(stats.tokens.sum())
+            with self._lock:
+                tally = self.reproduced[author]
+                tally[0] += float(stats.reproduced.sum())
+                tally[1] += float(stats.tokens.sum())
         return stats
 
     def reproduced_by_author(self) -> dict[str, float]:
@@ -271,6 +285,7 @@ class SpotCheck:
             "trust/checked": self.checked,
             "trust/refused": self.refused,
             "trust/unverifiable": self.unverifiable,
+            "trust/check_failed": self.failed,
             "trust/check_s": round(self.seconds, 3),
             "trust/rows_checked": self.rows_checked,
         }
