@@ -235,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module, text in (
         ("network", "network", "checkpoint propagation, delta bytes, trajectory latency on loopback"),
         ("fuzz", "fuzz", "fuzz the wire decoders with malformed inputs (default 100 000)"),
+        ("fsdp", "fsdp", "the learner update on 1 rank vs sharded (FSDP2) over N ranks: tokens/s, memory"),
         ("soak", "soak", "a long local swarm run, sampling every role's memory (it must stay flat)"),
         (
             "staleness",

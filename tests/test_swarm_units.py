@@ -165,9 +165,11 @@ def test_runspec_hyperparameters_that_are_not_understood_are_refused():
             RunSettings.from_spec({**body, "hyperparameters": bad})
 
 
-def test_a_metrics_line_a_kill_cut_short_counts_as_after_any_save():
-    from heterorl.peer.daemon.learner import _step_of
+def test_a_metrics_line_a_kill_cut_short_counts_as_after_any_save(tmp_path):
+    from heterorl.protocol.storage.jsonlog import drop_rows_after
 
-    assert _step_of('{"step": 7, "time": 1.0}') == 7
+    path = tmp_path / "metrics.jsonl"
     for torn in ('{"step": 8, "ti', "", '{"time": 1.0}', "[1, 2]"):
-        assert _step_of(torn) == float("inf")  # dropped with the updates a restart redoes
+        path.write_text('{"step": 7, "time": 1.0}\n' + torn + "\n")
+        assert drop_rows_after(path, "step", 10**9) == 1  # dropped with the updates a restart redoes
+        assert path.read_text() == '{"step": 7, "time": 1.0}\n'

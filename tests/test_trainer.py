@@ -12,7 +12,7 @@ import torch
 from heterorl.peer.learner.assembler import BatchAssembler
 from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer
 from heterorl.peer.learner.rows import Rows, rows_from_batches
-from heterorl.peer.learner.trainer import Trainer
+from heterorl.peer.learner.trainer import Trainer, TrainerLike
 from heterorl.peer.learner.update import StepOptions, accumulate_gradients
 from heterorl.peer.model import completion_logprobs
 from heterorl.protocol.settings import AdapterSettings
@@ -83,22 +83,25 @@ def test_rows_carry_author_and_batch_id_to_every_row(rows):
              rows.versions, authors=[b"x"])  # fmt: skip
 
 
-def test_score_is_the_models_logprobs_and_can_use_an_older_versions_weights(rows):
+def test_a_snapshot_holds_its_version_while_training_goes_on_and_renumber_only_goes_forward(rows):
     trainer = Trainer(tiny_model(), options(), pad_id=0)
-    before = trainer.score(rows)
-    with torch.no_grad():
-        ref = completion_logprobs(trainer.model, rows.prompts, rows.completions, rows.mask, 0)
-    assert torch.equal(before, ref)
+    assert isinstance(trainer, TrainerLike)
+
+    def logprobs(model):
+        with torch.no_grad():
+            return completion_logprobs(model, rows.prompts, rows.completions, rows.mask, 0)
+
+    before = logprobs(trainer.model)
     v0 = trainer.snapshot("float32", with_state=False)
     trainer.step(rows)
-    after = trainer.score(rows)
-    assert trainer.version == 1 and not torch.allclose(after, before)
-    torch.testing.assert_close(trainer.score(rows, v0.weights), before)  # version 0, model untouched
-    assert torch.equal(trainer.score(rows), after)
-    bf16 = trainer.snapshot("bfloat16", with_state=False).weights  # any dtype: cast to the model's
-    assert (trainer.score(rows, bf16) - after).abs().max() < 0.1
-    with pytest.raises(ValueError, match="does not have"):
-        trainer.score(rows, {"no.such.weight": torch.zeros(1)})
+    assert trainer.version == 1 and not torch.allclose(logprobs(trainer.model), before)
+    replay = tiny_model()
+    replay.load_state_dict(v0.weights)
+    torch.testing.assert_close(logprobs(replay), before)  # version 0's weights, untouched by the step
+    trainer.renumber(5)
+    assert trainer.version == 5
+    with pytest.raises(ValueError, match="back"):
+        trainer.renumber(4)
 
 
 def test_step_zeroes_clips_and_steps_the_optimizer_it_owns(rows):

@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         common = ["peer", *boot, "--threads", "1", *peer_consent(settings)]
         learner = Proc(
             "learner",
-            [*common, "--role", "learner", "--state-dir", str(learner_dir), "--max-steps", str(args.steps)],
+            [*common, "--role", "learner", "--state-dir", str(learner_dir), "--max-steps", str(args.steps)]
+            + (["--nproc", str(args.learner_nproc)] if args.learner_nproc > 1 else []),
             out / "learner.stderr.log",
         )
         procs.append(learner)

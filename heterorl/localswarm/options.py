@@ -30,6 +30,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--samplers", type=int, default=2, help="sampler processes (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=300, help="stop after this many learner updates")
     ap.add_argument(
+        "--learner-nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the learner's ranks (FSDP2 under torchrun; gloo on CPU): the peer's --nproc (default 1)",
+    )
+    ap.add_argument(
         "--out", default="runs/local-swarm", help="state, logs, summary.json (default: %(default)s)"
     )
     ap.add_argument(

@@ -82,7 +82,7 @@ def hostile_learner(mode: str) -> type:
             super().__init__(*args, **kwargs)  # checks our weights against the RunSpec's hash
             if mode == "wrong-initial" and self.step == 0:
                 with torch.no_grad():  # then changes them: version 0 is published signed, but not the spec's
-                    next(self.model.parameters()).add_(0.01)
+                    next(self.trainer.model.parameters()).add_(0.01)
 
     return Hostile
 

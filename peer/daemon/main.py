@@ -63,6 +63,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: a GPU if any")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="learner: train on N devices (GPUs, or CPU processes) with FSDP2; starts torchrun with N ranks, "
+        "rank 0 the peer (the same as running this command under `torchrun --nproc-per-node N`; default 1)",
+    )
+    ap.add_argument(
         "--nice",
         type=int,
         default=0,
@@ -100,31 +108,40 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
-    """Join and run until stopped; ``peer_class`` replaces the role's Sampler or Learner (hostile tests)."""
-    from heterorl.protocol import load_or_create_identity
+    """Join and run until stopped; ``peer_class`` replaces the role's Sampler or Learner (hostile tests). A
+    learner's rank > 0 under torchrun follows rank 0 instead (:mod:`.learner_ranks`)."""
     from heterorl.protocol.logs import configure_logging
+
+    from . import learner_ranks
+
+    if args.nproc < 1 or (args.nproc > 1 and args.role != "learner"):
+        print("error: --nproc is a learner's, and at least 1", file=sys.stderr)
+        return 2
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # become torchrun, which starts this again N times
+        return learner_ranks.launch(sys.argv[1:], args.nproc)
+    state_dir = Path(args.state_dir).expanduser()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    configure_logging(args.log_level, learner_ranks.rank_log(state_dir, args.role))
+    if args.role == "learner" and learner_ranks.rank() > 0:  # a follower: no network, rank 0's commands
+        return learner_ranks.follow_main(args.threads)
+    try:
+        return _run(args, state_dir, peer_class)
+    finally:
+        learner_ranks.end_group()
+
+
+def _run(args: argparse.Namespace, state_dir: Path, peer_class: type | None) -> int:
+    from heterorl.protocol import load_or_create_identity
     from heterorl.protocol.net.fetch import FetchError
     from heterorl.protocol.net.flags import net_config_from_args
     from heterorl.protocol.net.node import DaemonDied
+    from heterorl.protocol.signals import install_stop_signals
 
     from .supervisor import BackgroundFailure, StopEvent
 
-    state_dir = Path(args.state_dir).expanduser()
-    state_dir.mkdir(parents=True, exist_ok=True)
-    configure_logging(args.log_level, state_dir / f"{args.role}.log")
     stop = StopEvent()
-    signals = []  # the signals received: a second one means "leave now"; a stop set from inside does not
-
-    def on_signal(signum, _frame):
-        signals.append(signum)
-        if len(signals) > 1:
-            log.warning("second signal: leaving now")
-            os._exit(130)
-        log.info("%s: finishing and leaving", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # a signal sets the stop from a thread of its own (the handler takes no lock); a second one leaves now
+    install_stop_signals(stop.set, log)
     try:
         config = net_config_from_args(args)
         identity, created = load_or_create_identity(args.key or state_dir / "peer.key")

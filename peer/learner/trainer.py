@@ -1,41 +1,40 @@
 """The Trainer: the policy, its optimiser and the objective, with nothing of the network in it.
 
-The learner peer's network role (intake, ledger, publishing, heartbeats) and the one-process loop both drive
-a Trainer; what comes next plugs in here without touching them: a verifier scores rows under the version a
-batch claims (:meth:`Trainer.score`), another objective is a :class:`~.update.StepOptions` away, FSDP ranks
-or a collaborative optimiser replace the optimiser that :meth:`Trainer.step` steps.
+The learner peer's network role (intake, ledger, publishing, heartbeats) and the one-process loop drive a
+Trainer through :class:`TrainerLike` alone (step, snapshot, save, restore, renumber, version): nothing reaches
+for its model or optimiser, so an FSDP-sharded trainer (:mod:`.fsdp`) or a rank leader (:mod:`.ranks`) takes
+its place without the role knowing. What needs a model of a version (the spot checker, the held-out eval)
+gets the version's published weights and builds its own (:mod:`.replica`).
 
 It does four things:
 
-- :meth:`score`: per-token log-probs of rows under its current weights, or under any given weights (another
-  version's) without touching its own (``torch.func.functional_call``);
 - :meth:`step`: one update on a batch: zero the gradients, the objective's gradient
   (:func:`~.update.accumulate_gradients`), clip, the optimiser's step (its learning rate times the objective's
   ``step/lr_scale`` stat, if it reports one, for that step only); ``version`` counts the steps taken;
 - :meth:`snapshot`: copies of what a version publishes (the weights, or an adapter run's adapters, rounded to
   the checkpoint dtype) and, if asked, of the model and optimiser state, made on the trainer's device between
   steps so that another thread can serialise, diff and save them while the next step runs;
-- :meth:`save` / :meth:`restore`: the durable state (:mod:`.state`), from a snapshot.
+- :meth:`save` / :meth:`restore`: the durable state (:mod:`.state`), from a snapshot;
+- :meth:`renumber`: the next step's version after a restart that redoes updates already published.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from ..model import adapter as lora
-from ..model import completion_logprobs
 from ..model.logprobs import model_device
 from .rows import Rows
 from .state import load_state, save_state
-from .update import StepOptions, accumulate_gradients, autocast_for, peak_memory_mib
+from .update import StepOptions, accumulate_gradients, peak_memory_mib
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
 LR_SCALE_KEY = "step/lr_scale"  # an objective's stat: multiply every param group's lr by it for this step
@@ -69,6 +68,29 @@ def adamw(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
     except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
+@runtime_checkable
+class TrainerLike(Protocol):
+    """What the learner role needs of a trainer: :class:`Trainer`, :class:`~.fsdp.ShardedTrainer` (on every
+    rank) or :class:`~.ranks.RankLeader` (rank 0, driving the other ranks)."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def step(self, rows: Rows) -> dict[str, float]: ...
+
+    def snapshot(self, dtype: str, with_state: bool = True) -> Snapshot | None: ...
+
+    @staticmethod
+    def save(root: Path, snapshot: Snapshot, meta: dict) -> Path: ...
+
+    def restore(self, root: Path) -> dict | None: ...
+
+    def renumber(self, version: int) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,19 +129,6 @@ class Trainer:
     @property
     def device(self) -> torch.device:
         return model_device(self.model)
-
-    # ---- scoring ----
-
-    @torch.no_grad()
-    def score(self, rows: Rows, weights: Mapping[str, Tensor] | None = None) -> Tensor:
-        """log π(completion token) of every row [N, T] (0 on padding), at the run's temperature, under the
-        trainer's weights or under ``weights`` (a state dict by the model's names, e.g. an older version's
-        checkpoint, in any dtype; names it lacks keep the trainer's)."""
-        model = self.model if weights is None else _WithWeights(self.model, weights)
-        with autocast_for(self.device):
-            return completion_logprobs(
-                model, rows.prompts, rows.completions, rows.mask, self.pad_id, self.options.temperature
-            )
 
     # ---- training ----
 
@@ -179,27 +188,12 @@ class Trainer:
             self.version = int(meta["step"])
         return meta
 
-
-class _WithWeights:
-    """``model`` called with other parameter and buffer values (``torch.func.functional_call``), cast to the
-    dtype and device of the model's own; what :func:`completion_logprobs` needs of a model."""
-
-    def __init__(self, model: nn.Module, weights: Mapping[str, Tensor]):
-        own = model.state_dict()
-        unknown = sorted(set(weights) - set(own))[:3]
-        if unknown:
-            raise ValueError(f"weights name tensors the model does not have: {unknown}")
-        self.device = model_device(model)
-        values = {k: v.to(own[k].device, own[k].dtype) for k, v in weights.items()}
-
-        @functools.wraps(model.forward)  # keeps its signature (which keywords it takes)
-        def forward(*args, **kwargs):
-            return torch.func.functional_call(model, values, args, kwargs, tie_weights=False, strict=False)
-
-        self.forward = forward
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+    def renumber(self, version: int) -> None:
+        """Number the next step ``version + 1`` (a restart redoing updates already published after its save:
+        a version number is never signed twice)."""
+        if version < self.version:
+            raise ValueError(f"cannot renumber back from version {self.version} to {version}")
+        self.version = version
 
 
 def _clone_tensors(obj):

@@ -20,6 +20,13 @@ Sized for real models:
   already has: pass 1 on the micro-batched path, the detached grad forward on the direct path (the same
   parameters, so the same numbers); no forward pass is added for them. Stale rows are not measured or
   corrected: the learner no longer holds their version, and the objective's IS on log q covers both.
+* Ranks (``share=(rank, world)``, :class:`~.fsdp.ShardedTrainer`): every rank holds the whole batch and
+  scores only its contiguous slice (:func:`rank_slice`); the slices' log-probs are all-gathered so the
+  objective (group terms, batch-wide normalisers, advantages, TIS, mismatch) runs on the full batch,
+  identically on every rank; each rank then backpropagates Σ g·logp over its own slice, so the ranks'
+  gradients SUM to the full batch's (the trainer's gradient reduction must sum, not average). Every rank
+  runs the same number of forwards and backwards (a rank with fewer micro-batches scores a row again with a
+  zero cotangent), as FSDP's collectives inside them require.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from heterorl.protocol.settings import TIS_PARAMS, Run
@@ -105,6 +113,17 @@ def plan_micro_batches(
     return spans
 
 
+def rank_slice(n: int, share: tuple[int, int]) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of rank ``r`` of ``w`` (``share``) in a batch of ``n``: contiguous, near-equal, the
+    first ``n % w`` ranks one row more (a rank may get none when ``n < w``)."""
+    r, w = share
+    if not 0 <= r < w:
+        raise ValueError(f"rank {r} outside a world of {w}")
+    base, extra = divmod(n, w)
+    lo = r * base + min(r, extra)
+    return lo, lo + base + (1 if r < extra else 0)
+
+
 def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
     """bf16 autocast on a CUDA device that has bf16; otherwise a no-op (float32, e.g. on CPU)."""
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
@@ -147,6 +166,8 @@ def accumulate_gradients(
     version: int,
     pad_id: int,
     diagnose_mismatch: bool = True,
+    share: tuple[int, int] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
     """Backpropagate ``opts.objective`` on ``rows`` into the parameters' ``.grad`` (which the caller zeroed:
     :meth:`~.trainer.Trainer.step` owns zero_grad, clipping and the optimiser step); the objective's stats
@@ -157,12 +178,20 @@ def accumulate_gradients(
     ``None`` = all rows at once. The gradient is the full batch's either way (module docstring).
     ``opts.tis_cap``: C of truncated importance sampling on fresh rows; ``None`` = off.
     ``diagnose_mismatch``: report ``mismatch/*`` over fresh rows (costs no forward pass).
-    Also reports ``learner/micro_batches`` and ``time/fwd_bwd_s`` (seconds in the forwards and backward).
+    ``share``: ``(rank, world)``: this rank's share of a batch that every rank of ``group`` (default: the
+    default process group) holds whole and calls this on together (module docstring); its ``.grad`` is its
+    slice's part of the full batch's gradient. ``None`` or a world of 1: the whole batch here.
+    Also reports ``learner/micro_batches`` (this rank's forwards per pass) and ``time/fwd_bwd_s`` (seconds in
+    the forwards and backward).
     """
     device = model_device(policy)
-    spans = plan_micro_batches(
-        [len(p) for p in rows.prompts], rows.completions.shape[1], opts.micro_batch_tokens
-    )
+    sharded = share is not None and share[1] > 1
+    if sharded:
+        spans = _rank_spans(rows, opts.micro_batch_tokens, share)
+    else:
+        spans = plan_micro_batches(
+            [len(p) for p in rows.prompts], rows.completions.shape[1], opts.micro_batch_tokens
+        )
     adv_name = opts.advantage or objectives.default_advantage(opts.objective)
     adv = objectives.advantages(adv_name, rows.rewards, rows.group_ids).to(device)
     staleness = (version - rows.versions).clamp_min(0).float()
@@ -192,7 +221,9 @@ def accumulate_gradients(
     t0 = time.perf_counter()
     try:
         with activation_checkpointing(policy, opts.gradient_checkpointing):
-            if len(spans) == 1:  # direct: one forward with grad; its detached values are π_learner(version)
+            if sharded:
+                loss, stats, logp_old = _sharded_backward(spans, score, objective_on, rows, share, group)
+            elif len(spans) == 1:  # direct: one forward with grad; its detached values are π_learner(version)
                 logp = score(0, len(rows.prompts))
                 logp_old = logp.detach()
                 loss, stats = objective_on(logp, logp_old)
@@ -223,3 +254,62 @@ def accumulate_gradients(
         "learner/micro_batches": float(len(spans)),
         "time/fwd_bwd_s": fwd_bwd_s,  # the forwards and backward (the objective's own math included)
     }
+
+
+def _rank_spans(rows: Rows, budget: int | None, share: tuple[int, int]) -> list[tuple[int, int, bool]]:
+    """This rank's forwards: ``(start, stop, live)`` over the whole batch's rows, its slice's micro-batches
+    then, up to the most any rank runs, ``live=False`` repeats of one row (scored, zero cotangent)."""
+    n, width = len(rows.prompts), rows.completions.shape[1]
+    lengths = [len(p) for p in rows.prompts]
+    plans = []
+    for r in range(share[1]):
+        lo, hi = rank_slice(n, (r, share[1]))
+        spans = plan_micro_batches(lengths[lo:hi], width, budget) if hi > lo else []
+        plans.append([(lo + a, lo + b) for a, b in spans])
+    own = plans[share[0]]
+    forwards = max(1, max(len(p) for p in plans))
+    spare = own[0][0] if own else 0
+    return [(a, b, True) for a, b in own] + [(spare, spare + 1, False)] * (forwards - len(own))
+
+
+def _sharded_backward(spans, score, objective_on, rows: Rows, share, group):
+    """The ranks' two passes (module docstring); returns the full batch's loss, stats and log π_old."""
+    n, width = len(rows.prompts), rows.completions.shape[1]
+    world = share[1]
+    slices = [rank_slice(n, (r, world)) for r in range(world)]
+
+    def gathered(mine: list[Tensor], like: Tensor) -> Tensor:
+        """The full batch's [N, T] log-probs from every rank's slice (padded to the longest, trimmed)."""
+        most = max(hi - lo for lo, hi in slices)
+        buf = like.new_zeros((most, width))
+        if mine:
+            own = torch.cat(mine)
+            buf[: len(own)] = own
+        parts = [torch.empty_like(buf) for _ in range(world)]
+        dist.all_gather(parts, buf, group=group)
+        return torch.cat([p[: hi - lo] for p, (lo, hi) in zip(parts, slices, strict=True)])
+
+    def objective_grad(logp_old: Tensor):
+        leaf = logp_old.clone().requires_grad_(True)
+        loss, stats = objective_on(leaf, logp_old)
+        loss.backward()
+        return loss, stats, (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+
+    def cotangent(g: Tensor, a: int, b: int, live: bool, like: Tensor) -> Tensor:
+        return g[a:b] if live else torch.zeros_like(like)
+
+    if len(spans) == 1:  # one forward with grad per rank: its detached values are π_old of its slice
+        a, b, live = spans[0]
+        logp = score(a, b)
+        logp_old = gathered([logp.detach()] if live else [], logp)
+        loss, stats, g = objective_grad(logp_old)
+        (logp * cotangent(g, a, b, live, logp)).sum().backward()
+        return loss, stats, logp_old
+    with torch.no_grad():
+        scored = [(score(a, b), live) for a, b, live in spans]
+    logp_old = gathered([lp for lp, live in scored if live], scored[0][0])
+    loss, stats, g = objective_grad(logp_old)
+    for a, b, live in spans:
+        logp = score(a, b)
+        (logp * cotangent(g, a, b, live, logp)).sum().backward()
+    return loss, stats, logp_old

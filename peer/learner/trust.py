@@ -1,0 +1,365 @@
+"""The learner's trust gate: which accepted batches reach training, and whose batches are refused.
+
+One component owns all of it, with one interface to the learner role: admission (the ordered checks a batch
+passes before its Ack), probation and the hold (:mod:`.holding`), authors' records and bans
+(:mod:`.reputation`), the replay index (:mod:`.replay`) and the spot checker (:mod:`.spotcheck`).
+
+- Intake (the receiver's pool threads): :meth:`admit` is the admission chain, :meth:`has_room` flow control,
+  :meth:`accepted` takes a batch the ledger holds: to the buffer if a check vouched for it and its author has
+  a record, else held.
+- The release sweep (a thread of its own, :meth:`sweep`): when training is short of data or flow control is
+  full, or an author went quiet, a held batch is checked (a pass releases what its author holds); records
+  never earned expire with what they hold.
+- Restart: :meth:`replay` sends the ledger's pending batches through the same path as fresh ones.
+- Training: :meth:`without_banned` leaves out batches whose author was banned since they were assembled.
+- Publishing: :meth:`published` hands a version's weights to the spot checker.
+
+A strike retracts what its author sent and is not trained on (held and buffered batches); a ban drops the
+rest for good. The ledger hears of every drop, release and ban, so a restart holds, releases and refuses
+exactly what this run did.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from heterorl.protocol import decode
+from heterorl.protocol.settings import RunSettings
+from heterorl.protocol.storage.ledger import AcceptedLog
+from heterorl.protocol.wire.errors import ProtocolError
+
+from .buffer import Buffered, TrajectoryBuffer, staleness_refusal
+from .holding import HeldBatches
+from .intake import Admission, Check
+from .replay import ReplayIndex
+from .replica import ModelReplica
+from .reputation import Reputation
+from .spotcheck import SpotCheck, VersionWeights
+
+log = logging.getLogger(__name__)
+
+SWEEP_EVERY_S = 0.25  # the release sweep's period (it also wakes when flow control is full)
+EXPIRE_EVERY_S = 30.0  # how often records never earned are looked at for expiry
+
+
+class LearnerTrust:
+    """The trust gate of one learner (see the module docstring).
+
+    ``store``: the learner's chunk store (the versions it published, to check claims and spot checks
+    against). ``step`` / ``published``: the trainer's version and the newest published one, read live.
+    ``replica``: the model the spot checker loads versions into; None runs no spot checks (adapter runs).
+    """
+
+    def __init__(
+        self,
+        settings: RunSettings,
+        ledger: AcceptedLog,
+        buffer: TrajectoryBuffer,
+        store,
+        *,
+        step: Callable[[], int],
+        published: Callable[[], int],
+        reward_check: Check,
+        replica: ModelReplica | None,
+        pad_id: int,
+    ):
+        self.settings, self.ledger, self.buffer, self.store = settings, ledger, buffer, store
+        self._step, self._published = step, published
+        s = settings
+        self.held = HeldBatches()
+        self._lock = threading.RLock()  # a batch is held or released, never both
+        self._release_wanted = threading.Event()  # flow control is full: the sweep releases what it can
+        self.reputation = Reputation(
+            s.trust,
+            buffer_capacity=s.learner.buffer_batches,
+            buffered_new=self._held_new,
+            on_ban=self._on_ban,
+            checks=replica is not None,
+            held=self.held.of,
+            save=ledger.save_author,
+        )
+        self.reputation.load_records(ledger.authors())  # records, strikes, probation: as before a restart
+        self.reputation.load_bans(ledger.bans())
+        self.replays = ReplayIndex()
+        self.spot_check = None if replica is None else self._spot_check(replica, pad_id)
+        checks: list[tuple[str, Check]] = [
+            ("banned", self.reputation.check_banned),  # cheapest first
+            ("rate", self.reputation.check_rate),
+            ("rows", self._check_rows),
+            ("version", self._check_version),
+            ("staleness", self._check_staleness),
+            ("replay", self.replays),
+            ("reward", reward_check),
+        ]
+        if self.spot_check is not None:
+            checks.append(("spot check", self.spot_check))
+        self.admit = Admission(checks, on_strike=self._on_strike, no_strike=("banned", "staleness"))
+
+    def _spot_check(self, replica: ModelReplica, pad_id: int) -> SpotCheck:
+        s = self.settings
+
+        def load(version: int) -> bytes | None:
+            try:
+                return self.store.assemble(version) if self.store.has_version(version) else None
+            except (KeyError, ProtocolError):
+                return None
+
+        return SpotCheck(
+            replica,
+            VersionWeights(load, s.trust.check_versions),
+            self.reputation,
+            s.trust,
+            pad_id=pad_id,
+            temperature=s.sampling.temperature,
+            top_p=s.sampling.top_p,
+            run_id=s.run_id,
+        )
+
+    # ---- intake ----
+
+    def has_room(self) -> bool:
+        """Flow control: the batches accepted and not yet trained on, the buffer's and those held for
+        authors with a record, within ``learner.buffer_batches`` (probation has its own bound, the new
+        authors' share). Held batches count: else a sender that ignores "busy" has many accepted while
+        the buffer has room, and takes the freed room from those that wait."""
+        room = len(self.buffer) + self.held.count(self.reputation.has_record) < self.buffer.capacity
+        if not room:
+            self._release_wanted.set()  # the release sweep checks a held batch now
+        return room
+
+    def accepted(self, body: dict, author: bytes, _raw: bytes = b"") -> None:
+        """A batch the ledger now holds (the receiver's ``on_accept``)."""
+        self.reputation.accepted(body, author)
+        self.replays.add(body, author)
+        item = Buffered(body["batch_id"], author, body, time.time())
+        self._admit(item, vouched=self.reputation.take_vouched(item.batch_id))
+
+    def _held_new(self) -> int:
+        """Batches of authors without a record, held on probation (bounded in all)."""
+        return self.held.count(lambda author: not self.reputation.has_record(author))
+
+    def _check_rows(self, body: dict, _author: bytes) -> str | None:
+        s = self.settings
+        n, most = len(body["rows"]), s.limits.max_batch_rows
+        if n > most:
+            return f"{n} rows exceed the run's {most}"
+        longest = max(len(r["completion_ids"]) for r in body["rows"])
+        if longest > s.sampling.max_new_tokens:
+            return f"a completion of {longest} tokens exceeds the run's {s.sampling.max_new_tokens}"
+        return None
+
+    def _check_version(self, body: dict, author: bytes) -> str | None:
+        """A claimed version is one this learner published (or older than any it still holds), and an
+        author's claims never go back in time."""
+        v = body["policy_version"]
+        held = self.store.versions()
+        if held and held[0] <= v <= self._published() and not self.store.has_version(v):
+            return f"claims version {v}, which was never published"
+        return self.reputation.check_claim(body, author)
+
+    def _check_staleness(self, body: dict, _author: bytes) -> str | None:
+        return staleness_refusal(
+            self._step(), body["policy_version"], self._published(), self.settings.learner.max_staleness
+        )
+
+    def _on_strike(self, author: bytes, check: str, reason: str) -> None:
+        banned = self.reputation.strike(author, f"{check}: {reason}", checked=check == "spot check")
+        if banned is not None or self.reputation.check_banned({}, author) is not None:
+            return
+        # a strike retracts what the author sent and is not trained on: the batches held for it (no check
+        # vouched for them) and those waiting in the buffer
+        with self._lock:
+            gone = [b.batch_id for b in self.held.take(author)] + self.buffer.drop_author(author)
+        if gone:
+            self.ledger.drop(gone, f"not yet trained on when its author was struck: {reason}", time.time())
+        log.info(
+            "strike against %s (%s: %s)%s",
+            author.hex()[:16],
+            check,
+            reason,
+            f"; dropped its {len(gone)} batch(es) not yet trained on" if gone else "",
+        )
+
+    def _on_ban(self, author: bytes, reason: str) -> None:
+        """Ban ``author`` for the run: what it sent and is not trained on yet goes; the ledger says so."""
+        now = time.time()
+        self.ledger.ban(author, reason, now)
+        with self._lock:
+            self.held.take(author)
+            self.buffer.drop_author(author)
+        dropped = self.ledger.drop(self.ledger.pending_of(author), f"author banned: {reason}", now)
+        log.warning(
+            "banned %s for the run (%s); dropped %d of its batches not yet trained on",
+            author.hex()[:16],
+            reason,
+            dropped,
+        )
+
+    def _admit(self, item: Buffered, vouched: bool) -> None:
+        """An accepted batch (fresh, or replayed after a restart) to training or held: released with what
+        its author holds if a check of it passed and the author has a record; else held until one does."""
+        author = item.author
+        with self._lock:
+            if self.reputation.check_banned(item.body, author) is not None:  # banned while it was checked
+                self.ledger.drop([item.batch_id], "author banned", time.time())
+                return
+            if not (vouched and self.reputation.has_record(author)):
+                self.held.hold(item)
+                return
+            self._release_held(author, item)
+
+    def _release_held(self, author: bytes, *also: Buffered) -> None:
+        """What ``author`` holds (and ``also``) to training, the ledger told first (a restart replays them
+        to training too)."""
+        with self._lock:
+            released = [*self.held.take(author), *also]
+            if released:
+                self.ledger.mark_released([b.batch_id for b in released])
+            for b in released:
+                self.buffer.put(b)
+
+    # ---- restart ----
+
+    def replay(self, applied_after: int) -> int:
+        """Accepted batches not in the saved state (step ``applied_after``) go through the same admission
+        as when they arrived: a banned author's are dropped, those released before (vouched for, or trained
+        on) go to training, the rest are held again until a check vouches for them. How many there were."""
+        items = self.ledger.pending(applied_after=applied_after)
+        held = 0
+        for it in items:
+            _, body, author = decode(it.data, "TrajectoryBatch", run_id=self.settings.run_id)
+            self.reputation.accepted(body, author, count=False)
+            self.replays.add(body, author)
+            vouched = it.released or not self.reputation.checks  # (an adapter run holds nothing)
+            self._admit(Buffered(it.batch_id, author, body, it.received_at), vouched=vouched)
+            held += not it.released
+        if items:
+            log.info(
+                "replaying %d accepted batch(es) not in my saved state (%d held until a check vouches)",
+                len(items),
+                held,
+            )
+        return len(items)
+
+    # ---- the release sweep (a thread of its own): held batches released on demand ----
+
+    def sweep(self, stop: threading.Event) -> None:
+        """Until ``stop``: releases held batches when they are wanted (:meth:`release_on_demand`); now and
+        then, records never earned expire with what they hold."""
+        last_expiry = time.monotonic()
+        while not stop.is_set():
+            self._release_wanted.wait(SWEEP_EVERY_S)
+            self._release_wanted.clear()
+            try:
+                self.release_on_demand()
+                if time.monotonic() - last_expiry >= EXPIRE_EVERY_S:
+                    last_expiry = time.monotonic()
+                    self.expire()
+            except Exception:  # a sweep that fails is retried; it must not take the learner down
+                log.exception("release sweep failed")
+
+    def release_on_demand(self) -> None:
+        """When the buffer holds less than the next update takes, or flow control is full, the author with
+        a record holding the most batches has its newest one checked (a pass releases them all); an author
+        whose oldest held batch waited ``trust.hold_s`` has its newest checked too."""
+        if self.spot_check is None:
+            return
+        candidates = [
+            (a, *self.held.of(a))
+            for a in self.held.authors()
+            if self.reputation.has_record(a) and self.reputation.check_banned({}, a) is None
+        ]
+        if not candidates:
+            return
+        now, hold_s = time.time(), self.settings.trust.hold_s
+        for author, _, oldest in candidates:  # quiet authors: nothing arrives that would be checked
+            if oldest is not None and now - oldest >= hold_s:
+                self.check_held(author)
+        starving = self.buffer.groups() < self.settings.learner.prompts_per_update
+        full = len(self.buffer) + sum(n for _, n, _ in candidates) >= self.buffer.capacity
+        if starving or full:
+            author = max(candidates, key=lambda c: (c[1], -(c[2] or now)))[0]
+            self.check_held(author)
+
+    def check_held(self, author: bytes) -> None:
+        """Check the newest batch ``author`` holds: a pass releases all it holds, a refusal is a strike
+        (which drops them), an unverifiable one drops them without one; a check that failed on this side
+        (the checker's own error) keeps them held for a later try."""
+        newest = self.held.newest(author)
+        if newest is None:
+            return
+        verdict = self.spot_check.check(newest.body, author)
+        if verdict.reason is None:
+            self.reputation.take_vouched(newest.batch_id)
+            self._release_held(author)
+            return
+        if verdict.retry:
+            return
+        self.admit.count_refusal("spot check (held)")
+        if verdict.strike:  # the strike drops what the author holds, this batch with it
+            self._on_strike(author, "spot check", verdict.reason)
+            return
+        with self._lock:  # its version is gone: too stale to check, or to train on
+            gone = [b.batch_id for b in self.held.take(author)]
+        self.ledger.drop(gone, f"held and no longer checkable: {verdict.reason}", time.time())
+        log.info("dropped %d held batch(es) of %s: %s", len(gone), author.hex()[:16], verdict.reason)
+
+    def expire(self) -> None:
+        for author in self.reputation.expire():
+            with self._lock:
+                gone = [b.batch_id for b in self.held.take(author)]
+            if gone:
+                self.ledger.drop(gone, "its author never earned a record and went quiet", time.time())
+            log.info(
+                "forgot %s (no record earned, quiet); dropped %d held batch(es)", author.hex()[:16], len(gone)
+            )
+
+    # ---- training and publishing ----
+
+    def without_banned(self, batches: list[Buffered]) -> list[Buffered]:
+        """``batches`` less those of authors banned since they were assembled (the ledger drops those)."""
+        bans = self.reputation.bans()
+        gone = [b.batch_id for b in batches if b.author in bans]
+        if not gone:
+            return batches
+        self.ledger.drop(gone, "author banned", time.time())
+        log.info("left %d batch(es) of banned authors out of the next update", len(gone))
+        return [b for b in batches if b.author not in bans]
+
+    def published(self, version: int, weights: dict) -> None:
+        """A version's weights, as published: what the spot checker checks claims of it against."""
+        if self.spot_check is not None:
+            self.spot_check.versions.put(version, weights)
+
+    def wake(self) -> None:
+        """Have the release sweep look now (flow control is full)."""
+        self._release_wanted.set()
+
+    def save(self) -> None:
+        self.reputation.save_all()
+
+    # ---- what it did ----
+
+    def stats(self) -> dict[str, float]:
+        """What the checks did: batches checked and refused, their cost, bans, held, deferred new authors."""
+        check = self.spot_check.stats() if self.spot_check is not None else {}
+        return {
+            **check,
+            "trust/banned": len(self.reputation.bans()),
+            "trust/held": len(self.held),  # accepted, waiting for a check to vouch for them
+            "trust/deferred_new": self.reputation.deferred_new,
+        }
+
+    def final(self) -> dict:
+        """The run's trust record for ``final_stats.json``."""
+        return {
+            "refused_by_check": dict(self.admit.refused),
+            "deferred_by_check": dict(self.admit.deferred),
+            "bans": {a.hex(): reason for a, reason in self.reputation.bans().items()},
+            "authors": self.reputation.summary(),
+            "reproduced": self.spot_check.reproduced_by_author() if self.spot_check is not None else {},
+            **self.stats(),
+        }
