@@ -33,9 +33,9 @@ class StopSignals:
         on_stop: Callable[[], object],
         log: logging.Logger,
         signals: Iterable[signal.Signals] = STOP_SIGNALS,
-        kill_group: int | None = None,
+        kill_groups: list[int] | None = None,
     ) -> None:
-        self.on_stop, self.log, self.kill_group = on_stop, log, kill_group
+        self.on_stop, self.log, self.kill_groups = on_stop, log, kill_groups
         self.received = 0  # signals seen by the handler (main thread only): a second one leaves at once
         self._read_fd, self._write_fd = os.pipe()  # not inheritable (PEP 446)
         os.set_blocking(self._write_fd, False)  # a full pipe drops the byte, never blocks the handler
@@ -55,9 +55,9 @@ class StopSignals:
         if self.received > 1:
             with contextlib.suppress(OSError):
                 os.write(2, b"second signal: leaving now\n")
-            if self.kill_group is not None:  # children in a session of their own leave with us
+            for group in self.kill_groups or ():  # children in sessions of their own leave with us
                 with contextlib.suppress(OSError):
-                    os.killpg(self.kill_group, signal.SIGKILL)
+                    os.killpg(group, signal.SIGKILL)
             os._exit(SECOND_SIGNAL_EXIT)
         with contextlib.suppress(OSError):  # BlockingIOError: the pipe is full, a stop is on its way anyway
             os.write(self._write_fd, bytes([signum & 0xFF]))
@@ -97,9 +97,10 @@ def install_stop_signals(
     on_stop: Callable[[], object],
     log: logging.Logger,
     signals: Iterable[signal.Signals] = STOP_SIGNALS,
-    kill_group: int | None = None,
+    kill_groups: list[int] | None = None,
 ) -> StopSignals:
     """On the first SIGTERM or SIGINT, log it and call ``on_stop()`` (from a daemon thread, so the handler
-    takes no lock: module docstring); on a second, exit at once with status 130, SIGKILLing process group
-    ``kill_group`` first if given (children started in a session of their own). Call from the main thread."""
-    return StopSignals(on_stop, log, signals, kill_group)
+    takes no lock: module docstring); on a second, exit at once with status 130, SIGKILLing the process
+    groups in ``kill_groups`` first (children in sessions of their own; the list may grow after the call).
+    Call from the main thread."""
+    return StopSignals(on_stop, log, signals, kill_groups)

@@ -159,6 +159,10 @@ def test_a_strike_drops_what_its_author_holds_and_a_failed_check_keeps_it_held(t
     )
     trust.check_held(ALICE.public_key)
     assert len(trust.held) == 2 and ledger.dropped() == {}  # the checker's own failure: tried again later
+    checked = len(check.checked)
+    trust.release_on_demand()  # training is short of data, but Alice's retry is not due yet
+    assert len(check.checked) == checked
+    trust._retry_at[ALICE.public_key] = 0.0  # due now
     check.verdicts[ALICE.public_key] = Verdict("forged log-probs", strike=True)
     trust.check_held(ALICE.public_key)
     assert len(trust.held) == 0 and len(buffer) == 0

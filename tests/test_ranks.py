@@ -143,7 +143,7 @@ def scenario(name: str, out: Path) -> int:
     from heterorl.peer.learner.trainer import TrainerLike
 
     torch.set_num_threads(1)
-    timeout = RANK_TIMEOUT_S if name == "leader_hangs" else 60.0
+    timeout = RANK_TIMEOUT_S if name in ("leader_hangs", "idle_then_broken") else 60.0
     rank, world, device = init_from_env(timeout_s=timeout)
     assert world == 2 and device == torch.device("cpu")
     recorder = Recorder()
@@ -165,6 +165,27 @@ def scenario(name: str, out: Path) -> int:
         leader.stop()  # once only
         assert leader.version == 7
         return 0
+    if name == "idle_then_broken":
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5 * RANK_TIMEOUT_S:  # idle past the timeout: kept alive
+            leader.keepalive()
+            time.sleep(0.5)
+        leader.step(wire_rows())  # the follower is still there
+
+        def fails(rows):
+            raise RuntimeError("out of memory (simulated)")
+
+        recorder.step = fails
+        with contextlib.suppress(RuntimeError):
+            leader.step(wire_rows())  # sent, then failed here: the ranks may be out of step
+        try:
+            leader.renumber(9)
+        except RuntimeError as e:
+            assert "out of step" in str(e)
+        else:
+            raise AssertionError("a broken leader sent a command")
+        leader.stop()  # nothing sent: the follower learns of it when this process ends
+        return 3
     leader.renumber(1)
     if name == "leader_dies":
         time.sleep(0.5)
@@ -221,3 +242,11 @@ if __name__ == "__main__":
     code = scenario(sys.argv[1], Path(sys.argv[2]))
     dist.destroy_process_group()  # without it gloo aborts the process at exit (SIGABRT)
     sys.exit(code)
+
+
+def test_keepalives_hold_an_idle_follower_and_a_leader_whose_command_failed_sends_nothing_more(tmp_path):
+    procs = launch(Path(__file__), "idle_then_broken", tmp_path)
+    rcs = wait_all(procs, tmp_path, timeout=90)
+    assert rcs == [3, 1], logs(tmp_path)  # the follower outlived its timeout while idle, then saw rank 0 go
+    got = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    assert [c[0] for c in got["calls"]] == ["step", "step"]  # no renumber, no stop reached it

@@ -247,6 +247,9 @@ class Learner:
             got = self.assembler.take(timeout=self.opt.wait_log_s)
             self.stats.wait_s += time.perf_counter() - t
             if got is None:
+                keepalive = getattr(self.trainer, "keepalive", None)  # a rank leader's followers wait
+                if keepalive is not None and not self.rt.stop.is_set():
+                    keepalive()
                 waited += time.perf_counter() - t
                 if waited >= self.opt.wait_log_s and not self.rt.stop.is_set():
                     log.info("waiting for trajectories (buffer %d batches)", len(self.buffer))

@@ -51,9 +51,13 @@ def launch(argv: list[str], nproc: int) -> int:
     print(f"starting {nproc} learner ranks: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, start_new_session=True)  # a terminal's Ctrl-C reaches this process only
 
+    groups = [proc.pid]  # what a second signal kills: torchrun's group and each rank's (own sessions)
+
     def to_rank0() -> None:
         try:
-            ranks = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "0"]
+            children = psutil.Process(proc.pid).children()
+            groups.extend(p.pid for p in children)
+            ranks = [p for p in children if p.environ().get("RANK") == "0"]
         except psutil.Error:
             ranks = []
         target = ranks[0].pid if ranks else proc.pid  # not started yet: torchrun ends it all
@@ -62,7 +66,7 @@ def launch(argv: list[str], nproc: int) -> int:
         with contextlib.suppress(OSError):
             os.kill(target, signal.SIGTERM)
 
-    install_stop_signals(to_rank0, log, kill_group=proc.pid)
+    install_stop_signals(to_rank0, log, kill_groups=groups)
     return proc.wait()
 
 
@@ -88,7 +92,9 @@ def lead(model: torch.nn.Module, options: StepOptions, pad_id: int, model_dir: s
     device = torch.device(next(model.parameters()).device)
     setup = {"model_dir": model_dir, "options": dataclasses.asdict(options), "pad_id": pad_id}
     broadcast_bytes(msgpack.packb(setup, use_bin_type=True), device)
-    return RankLeader(ShardedTrainer(model, options, pad_id))
+    # on a GPU, rank 0's full copies (to publish and save) go to host memory, not next to its shard
+    snapshot_device = "cpu" if device.type == "cuda" else None
+    return RankLeader(ShardedTrainer(model, options, pad_id, snapshot_device=snapshot_device))
 
 
 def follow_main(threads: int) -> int:

@@ -87,8 +87,8 @@ def resume(trainer: TrainerLike, settings: RunSettings, state_dir: Path, store) 
     """Load the learner's last save, or check that a fresh start is the model the coordinator signed; the
     saved step. Versions published after the save (saves are every ``learner.save_every_s``) came from
     updates this restart redoes from the ledger, differently: the redone updates are numbered after the
-    newest published version (``trainer.renumber``), so no version number is signed twice, and their old
-    metrics rows go."""
+    newest published version (``trainer.renumber``), so no version number is signed twice. Metrics rows of
+    updates after the save go (those updates are redone)."""
     if trainer.restore(state_dir / "state") is None:
         snap = trainer.snapshot(settings.learner.checkpoint_dtype, with_state=False)
         if weights_hash(serialize_state_dict(snap.weights)) != settings.initial_checkpoint:
@@ -111,7 +111,7 @@ def resume(trainer: TrainerLike, settings: RunSettings, state_dir: Path, store) 
             newest + 1,
         )
         trainer.renumber(newest)
-        drop_rows_after(state_dir / "metrics.jsonl", "step", saved)  # not in the lineage any more
+    drop_rows_after(state_dir / "metrics.jsonl", "step", saved)  # updates after the save: redone
     return saved
 
 

@@ -114,8 +114,9 @@ def run(args: argparse.Namespace, peer_class: type | None = None) -> int:
 
     from . import learner_ranks
 
-    if args.nproc < 1 or (args.nproc > 1 and args.role != "learner"):
-        print("error: --nproc is a learner's, and at least 1", file=sys.stderr)
+    ranked = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.nproc < 1 or ((args.nproc > 1 or ranked) and args.role != "learner"):
+        print("error: only a learner runs on several ranks (--nproc, torchrun)", file=sys.stderr)
         return 2
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # become torchrun, which starts this again N times
         return learner_ranks.launch(sys.argv[1:], args.nproc)

@@ -63,7 +63,7 @@ class BatchAssembler:
 
     def rows(self, batches: list[Buffered]) -> Rows:
         """``batches`` as one update's rows on the trainer's device."""
-        return _to(rows_from_batches(batches, self.pad_id), self.device)
+        return rows_to(rows_from_batches(batches, self.pad_id), self.device)
 
     def take(self, timeout: float | None = None) -> Assembled | None:
         """The next assembled batch, waiting up to ``timeout`` (None: until there or closed)."""
@@ -80,7 +80,7 @@ class BatchAssembler:
         self.buffer.close()
 
 
-def _to(rows: Rows, device: torch.device) -> Rows:
+def rows_to(rows: Rows, device: torch.device) -> Rows:
     """``rows``' float and id tensors on ``device`` (pinned, copied without blocking on a GPU); as is on the
     CPU. Completions and mask stay on the CPU, where the prompts are packed around them."""
     if device.type == "cpu":

@@ -211,7 +211,7 @@ class ShardedTrainer:
             return None
         d = Path(root) / name
         model_state = deserialize_state_dict((d / "model.safetensors").read_bytes())
-        optimizer_state = torch.load(d / "optimizer.pt", weights_only=True)
+        optimizer_state = torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True)
         meta = json.loads((d / "meta.json").read_text())
         self._load(model_state, optimizer_state)
         self.version = int(meta["step"])

@@ -12,7 +12,8 @@ STEP          the Rows as tensors (ragged prompts flattened + lengths)      ``tr
 SNAPSHOT      ``{"dtype", "with_state"}``                                   ``trainer.snapshot(...)``
 RESTORE       ``{"root"}`` (a path the followers can read: same host)       ``trainer.restore(root)``
 RENUMBER      ``{"version"}``                                               ``trainer.renumber(v)``
-STOP          none                                                          returns 0
+KEEPALIVE     none (rank 0 is idle: waiting for data)                       nothing
+STOP          none                                                          a barrier, then returns 0
 ============  ============================================================  ==========================
 
 On the wire: an int64 header ``[op, payload length]``, then the payload as msgpack bytes in a uint8 tensor;
@@ -39,6 +40,7 @@ process that exits without it), also after such an error. A rank's main, in shor
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import logging
@@ -50,13 +52,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .assembler import rows_to
 from .rows import Rows
 from .trainer import Snapshot, Trainer
 
 log = logging.getLogger(__name__)
 
-STEP, SNAPSHOT, RESTORE, RENUMBER, STOP = 1, 2, 3, 4, 5
-OPS = {STEP: "STEP", SNAPSHOT: "SNAPSHOT", RESTORE: "RESTORE", RENUMBER: "RENUMBER", STOP: "STOP"}
+STEP, SNAPSHOT, RESTORE, RENUMBER, STOP, KEEPALIVE = 1, 2, 3, 4, 5, 6
+OPS = {
+    STEP: "STEP", SNAPSHOT: "SNAPSHOT", RESTORE: "RESTORE", RENUMBER: "RENUMBER", STOP: "STOP",
+    KEEPALIVE: "KEEPALIVE",
+}  # fmt: skip
 ROW_TENSORS = ("completions", "mask", "logq", "rewards", "group_ids", "versions")
 DTYPES = {
     str(d).removeprefix("torch."): d
@@ -99,6 +105,7 @@ class RankLeader:
         if dist.get_rank(group) != 0:
             raise RuntimeError("RankLeader runs on rank 0 of its group; the other ranks run follow()")
         self.trainer, self.group, self.stopped = trainer, group, False
+        self.broken = False  # a command failed on this rank: the ranks' collectives no longer line up
 
     @property
     def version(self) -> int:
@@ -110,29 +117,49 @@ class RankLeader:
 
     def step(self, rows: Rows) -> dict[str, float]:
         head, tensors = _rows_message(rows)
-        self._send(STEP, head)
-        _broadcast_tensors(tensors, self.device, self.group)
-        return self.trainer.step(rows)
+        with self._command(STEP, head):
+            _broadcast_tensors(tensors, self.device, self.group)
+            return self.trainer.step(rows)
 
     def snapshot(self, dtype: str, with_state: bool = True) -> Snapshot | None:
-        self._send(SNAPSHOT, {"dtype": str(dtype), "with_state": bool(with_state)})
-        return self.trainer.snapshot(dtype, with_state)
+        with self._command(SNAPSHOT, {"dtype": str(dtype), "with_state": bool(with_state)}):
+            return self.trainer.snapshot(dtype, with_state)
 
     def restore(self, root: Path) -> dict | None:
-        self._send(RESTORE, {"root": os.fspath(Path(root).resolve())})
-        return self.trainer.restore(root)
+        with self._command(RESTORE, {"root": os.fspath(Path(root).resolve())}):
+            return self.trainer.restore(root)
 
     def renumber(self, version: int) -> None:
         if version < self.trainer.version:  # refused here, before the followers hear of it
             raise ValueError(f"cannot renumber back from version {self.trainer.version} to {version}")
-        self._send(RENUMBER, {"version": int(version)})
-        self.trainer.renumber(version)
+        with self._command(RENUMBER, {"version": int(version)}):
+            self.trainer.renumber(version)
+
+    def keepalive(self) -> None:
+        """While rank 0 is idle (waiting for data): a command that does nothing, so that the followers'
+        wait for the next one stays within the process group's timeout."""
+        with self._command(KEEPALIVE, None):
+            pass
 
     def stop(self) -> None:
-        """Tell the followers to return (once; later calls do nothing)."""
-        if not self.stopped:
+        """Tell the followers to return (once; later calls, or a broken group, do nothing): STOP, then a
+        barrier, so that no rank leaves the group before every rank has heard it."""
+        if not self.stopped and not self.broken:
             self.stopped = True
             self._send(STOP, None)
+            dist.barrier(group=self.group)
+
+    @contextlib.contextmanager
+    def _command(self, op: int, payload: dict | None):
+        """Send a command, then run the same collective here; if that fails on this rank, the followers may
+        be left inside a collective this rank never makes: the leader is broken (every later command
+        raises, :meth:`stop` does nothing) and the process should exit non-zero so torchrun ends them."""
+        self._send(op, payload)
+        try:
+            yield
+        except BaseException:
+            self.broken = True
+            raise
 
     def __enter__(self) -> RankLeader:
         return self
@@ -144,6 +171,8 @@ class RankLeader:
             self.stopped = True
 
     def _send(self, op: int, payload: dict | None) -> None:
+        if self.broken:
+            raise RuntimeError("a command failed on rank 0: the ranks are out of step")
         if self.stopped and op != STOP:
             raise RuntimeError("the followers were stopped")
         data = msgpack.packb(payload, use_bin_type=True) if payload is not None else b""
@@ -166,8 +195,8 @@ def receive(device: torch.device, group: dist.ProcessGroup | None = None) -> tup
         buf = torch.empty(size, dtype=torch.uint8, device=device)
         dist.broadcast(buf, _src(group), group=group)
         payload = msgpack.unpackb(buf.cpu().numpy().tobytes(), raw=False)
-    if op == STEP:
-        payload = _rows_from(payload, device, group)
+    if op == STEP:  # on the device as rank 0's assembler puts them, so every rank computes alike
+        payload = rows_to(_rows_from(payload, device, group), device)
     return op, payload
 
 
@@ -179,6 +208,7 @@ def follow(trainer, group: dist.ProcessGroup | None = None) -> int:
         while True:
             op, payload = receive(device, group)
             if op == STOP:
+                dist.barrier(group=group)
                 return 0
             if op == STEP:
                 trainer.step(payload)

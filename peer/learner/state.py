@@ -60,5 +60,5 @@ def load_state(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     if d is None:
         return None
     model.load_state_dict(deserialize_state_dict((d / "model.safetensors").read_bytes()))
-    optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True))
+    optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
     return json.loads((d / "meta.json").read_text())

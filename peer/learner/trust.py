@@ -37,7 +37,7 @@ from .intake import Admission, Check
 from .replay import ReplayIndex
 from .replica import ModelReplica
 from .reputation import Reputation
-from .spotcheck import SpotCheck, VersionWeights
+from .spotcheck import CHECK_RETRY_AFTER_S, SpotCheck, VersionWeights
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class LearnerTrust:
         self.reputation.load_records(ledger.authors())  # records, strikes, probation: as before a restart
         self.reputation.load_bans(ledger.bans())
         self.replays = ReplayIndex()
+        self._retry_at: dict[bytes, float] = {}  # an author whose held check failed on our side: not before
         self.spot_check = None if replica is None else self._spot_check(replica, pad_id)
         checks: list[tuple[str, Check]] = [
             ("banned", self.reputation.check_banned),  # cheapest first
@@ -267,14 +268,16 @@ class LearnerTrust:
         whose oldest held batch waited ``trust.hold_s`` has its newest checked too."""
         if self.spot_check is None:
             return
+        now, hold_s = time.time(), self.settings.trust.hold_s
         candidates = [
             (a, *self.held.of(a))
             for a in self.held.authors()
-            if self.reputation.has_record(a) and self.reputation.check_banned({}, a) is None
+            if self.reputation.has_record(a)
+            and self.reputation.check_banned({}, a) is None
+            and self._retry_at.get(a, 0.0) <= now  # its last check failed on our side: later
         ]
         if not candidates:
             return
-        now, hold_s = time.time(), self.settings.trust.hold_s
         for author, _, oldest in candidates:  # quiet authors: nothing arrives that would be checked
             if oldest is not None and now - oldest >= hold_s:
                 self.check_held(author)
@@ -287,16 +290,20 @@ class LearnerTrust:
     def check_held(self, author: bytes) -> None:
         """Check the newest batch ``author`` holds: a pass releases all it holds, a refusal is a strike
         (which drops them), an unverifiable one drops them without one; a check that failed on this side
-        (the checker's own error) keeps them held for a later try."""
+        (the checker's own error) keeps them held, and the sweep leaves the author for
+        ``CHECK_RETRY_AFTER_S`` (others' held batches go first)."""
         newest = self.held.newest(author)
         if newest is None:
             return
         verdict = self.spot_check.check(newest.body, author)
+        if not verdict.retry:
+            self._retry_at.pop(author, None)
         if verdict.reason is None:
             self.reputation.take_vouched(newest.batch_id)
             self._release_held(author)
             return
-        if verdict.retry:
+        if verdict.retry:  # the checker's own failure: this author's batches wait, the others go on
+            self._retry_at[author] = time.time() + CHECK_RETRY_AFTER_S
             return
         self.admit.count_refusal("spot check (held)")
         if verdict.strike:  # the strike drops what the author holds, this batch with it
