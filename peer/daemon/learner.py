@@ -99,6 +99,8 @@ class Learner:
         )
         if s.adapter is not None:
             log.warning("adapter run: sampled rollouts are not spot-checked (full fine-tuning runs only)")
+        if self.evaluate is not None or self.trust.spot_check is not None:
+            self.replica.model  # built now, from the model directory as it was checked at start  # noqa: B018
         self.receiver = TrajectoryReceiver(
             self.identity,
             s.run_id,
