@@ -3,6 +3,7 @@ renumbering after versions published past the save, and the trainer the run asks
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
@@ -10,10 +11,11 @@ import pytest
 from test_trainer import buffered, options, tiny_model
 
 from heterorl.peer.daemon.learner_setup import make_trainer, model_factory, resume
+from heterorl.peer.daemon.main import add_arguments, run
 from heterorl.peer.daemon.weights import weights_hash
 from heterorl.peer.learner.rows import rows_from_batches
 from heterorl.peer.learner.trainer import Trainer, TrainerLike
-from heterorl.protocol.settings import RunSettings
+from heterorl.protocol.settings import AdapterSettings, RunSettings
 from heterorl.protocol.storage.jsonlog import append_row, read_rows
 from heterorl.protocol.wire.checkpoint import serialize_state_dict
 
@@ -70,3 +72,20 @@ def test_one_process_gets_a_plain_trainer_and_the_factory_builds_the_run_model(t
     built = model_factory(s, tiny_model_dir, "cpu")()
     assert json.dumps(sorted(built.state_dict())) == json.dumps(sorted(trainer.model.state_dict()))
     assert tok.pad_token_id is not None
+
+
+def test_adapter_runs_refuse_several_ranks(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: refused before any process group is made
+    s = dataclasses.replace(settings(b"h" * 32), adapter=AdapterSettings(base_hash="ab" * 32))
+    with pytest.raises(ValueError, match="adapter runs train on one device"):
+        make_trainer(s, tiny_model_dir, "cpu")
+
+
+def test_only_a_learner_runs_on_several_ranks(tmp_path, monkeypatch, capsys):
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args(["--state-dir", str(tmp_path), "--nproc", "2"])  # a sampler
+    assert run(args) == 2 and "only a learner" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a sampler started by torchrun
+    assert run(ap.parse_args(["--state-dir", str(tmp_path)])) == 2
+    assert run(ap.parse_args(["--state-dir", str(tmp_path), "--nproc", "0", "--role", "learner"])) == 2
