@@ -75,7 +75,7 @@ demo-real: $(STAMP)
 # everything: every real-process, network-namespace and browser test (CI runs this)
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # the fast tier, well under a minute: lint, then the tests marked `fast` (pure logic, in-memory fakes of the
 # DHT and streams from heterorl/testing/fakes.py, golden wire bytes; no peer processes)

@@ -20,8 +20,11 @@ from heterorl.testing.swarm import Swarm
 pytestmark = pytest.mark.slow
 
 GROUPS = [
+    # the 4-bit perturbed copy sits at the tiny run's threshold once the policy is nearly certain (some of
+    # its checks pass: "bounded, not caught" in docs/trust.md; ``heterorl bench trust`` measures it), so
+    # "never trained on" is asserted of the 3-bit copy, well past the threshold
     ("forged-shift", "forged-copied", "other-model", "backdoor", "stale-claim"),
-    ("forged-constant", "other-model-recomputed", "wrong-temperature", "perturbed-weights", "replay"),
+    ("forged-constant", "other-model-recomputed", "wrong-temperature", "perturbed-weights-coarse", "replay"),
 ]
 
 

@@ -246,22 +246,37 @@ def wrong_temperature(sampler: Sampler, factor: float = 0.5) -> None:
     _honest_logprobs(sampler)
 
 
-@_all_hostile
-def perturbed_weights(sampler: Sampler) -> None:
-    """Samples with a 4-bit (16-level, per-row absmax) quantised copy of each version's matrices, reporting
-    that copy's log-probs: a cheaper model passed off as the run's."""
+def _quantised_weights(sampler: Sampler, bits: int) -> None:
+    """Samples with a ``bits``-bit (per-row absmax) quantised copy of each version's matrices, reporting that
+    copy's log-probs."""
     load = sampler.backend.load_weights
+    top = 2 ** (bits - 1) - 1
 
     def quantised(state):
         out = {}
         for k, v in state.items():
             if v.is_floating_point() and v.dim() == 2:
-                scale = v.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 7
-                v = (v / scale).round().clamp(-8, 7) * scale
+                scale = v.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / top
+                v = (v / scale).round().clamp(-top - 1, top) * scale
             out[k] = v
         load(out)
 
     sampler.backend.load_weights = quantised
+
+
+@_all_hostile
+def perturbed_weights(sampler: Sampler) -> None:
+    """A 4-bit (16-level) quantised copy of each version: a cheaper model passed off as the run's. On the
+    tiny model, once training made it nearly certain, its batches' mean |Δ log-prob| is 0.02 to 0.03, right
+    at the tiny run's threshold: some of its checks pass (docs/trust.md, "bounded, not caught")."""
+    _quantised_weights(sampler, 4)
+
+
+@_all_hostile
+def perturbed_weights_coarse(sampler: Sampler) -> None:
+    """A 3-bit (8-level) quantised copy: about 3x the 4-bit copy's log-prob gap, well past the tiny run's
+    threshold at every stage of training (the swarm test's perturbed copy, which must never train)."""
+    _quantised_weights(sampler, 3)
 
 
 # ---- claims ----
@@ -451,6 +466,7 @@ BUILT_IN = {
     "backdoor": backdoor,
     "wrong-temperature": wrong_temperature,
     "perturbed-weights": perturbed_weights,
+    "perturbed-weights-coarse": perturbed_weights_coarse,
     "stale-claim": stale_claim,
     "replay": replay,
     "sparse-foreign": sparse_foreign,
