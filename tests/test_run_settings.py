@@ -289,7 +289,7 @@ def test_an_unknown_setting_on_the_command_line_is_refused_by_name(capsys):
 
 def test_local_writes_a_run_toml_that_reads_back_as_its_run():
     run = from_overrides(Run, _everything_changed())
-    text = local_options.run_toml(run, KEY, "local-1")
+    text = local_options.run_toml(run, [KEY], "local-1")
     cfg = parse_run_config(tomllib.loads(text))
     assert cfg.as_run() == run and (cfg.run_id, cfg.learner_keys) == ("local-1", (KEY,))
     assert "base_hash" not in text  # the coordinator's, refused in run.toml

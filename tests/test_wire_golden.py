@@ -143,6 +143,43 @@ MESSAGES = {
         "Reject",
         {"run_id": RUN, "batch_id": BATCH_ID, "reason": "buffer full", "retry_after_s": 2.0},
     ),
+    "LineageHello": (
+        "LineageHello",
+        {
+            "run_id": RUN,
+            "peer_id": "12D3KooWGolden",
+            "to_peer_id": "12D3KooWWriter",
+            "schema": hashlib.sha256(b"schema").digest(),
+            "version": 7,
+        },
+    ),
+    "Contribution": (
+        "Contribution",
+        {
+            "run_id": RUN,
+            "version": 7,
+            "batch_ids": [BATCH_ID],
+            "tokens": 96,
+            "lr_scale": 1.0,
+            "grad_sha256": hashlib.sha256(b"gradient").digest(),
+        },
+    ),
+    "Commit": (
+        "Commit",
+        {
+            "run_id": RUN,
+            "version": 8,
+            "parent_state": hashlib.sha256(b"state 7").digest(),
+            "applied": [{"learner": OTHER.public_key, "batch_ids": [BATCH_ID]}],
+            "tokens": 96,
+            "lr_scale": 1.0,
+            "grad_sha256": hashlib.sha256(b"reduced").digest(),
+            "publish": True,
+            "manifests": [b"a signed manifest"],
+        },
+    ),
+    "LineageWait": ("LineageWait", {"run_id": RUN, "version": 7, "manifests": []}),
+    "LineageRefuse": ("LineageRefuse", {"run_id": RUN, "reason": "not one of the run's learner keys"}),
 }
 
 
@@ -308,6 +345,46 @@ GOLDEN_MESSAGES = {
         "65725f73cb4000000000000000a6617574686f72c42003a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc"
         "8664125531b8a3736967c4404c080f1e308119d6e1bbac613e6619a2f2dab5a3e74f3f6154f223bc0393a3b6d8ec9fc4"
         "13a963245295dd76c3a489923b6ab361368da4797766710336ce9b0b"
+    ),
+    "LineageHello": (
+        "85a17601a474797065ac4c696e6561676548656c6c6fa4626f647985a672756e5f6964aa676f6c64656e2d72756ea770"
+        "6565725f6964ae313244334b6f6f57476f6c64656eaa746f5f706565725f6964ae313244334b6f6f57577269746572a6"
+        "736368656d61c420df0ad6e43880f09c90ebf95f19110178aba6890df0010ebda7485029e2b543b4a776657273696f6e"
+        "07a6617574686f72c42003a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8a3736967c440"
+        "721c2496cf1e50bb1b74e87962ebfda47c71575546eeab4b1128292e2e06123d9e6eeb7de44de406e90997d179d457e9"
+        "2d2b97391f2c3839e1cdaef1f6adc60f"
+    ),
+    "Contribution": (
+        "85a17601a474797065ac436f6e747269627574696f6ea4626f647986a672756e5f6964aa676f6c64656e2d72756ea776"
+        "657273696f6e07a962617463685f69647391c410000102030405060708090a0b0c0d0e0fa6746f6b656e7360a86c725f"
+        "7363616c65cb3ff0000000000000ab677261645f736861323536c4201b6a3443f30a8adc08c12490d5b12cbe9a8590f6"
+        "c76b73a15cdb3ac880eb7cc4a6617574686f72c42003a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc86"
+        "64125531b8a3736967c4401d9ff56601d4816a6bbcee39b5b910cb9ba699feb360cee312f893cfb81ea447e112073580"
+        "bc3e1ee4727aae94de3dd412966c65dae00f2f20948bb75f94b202"
+    ),
+    "Commit": (
+        "85a17601a474797065a6436f6d6d6974a4626f647989a672756e5f6964aa676f6c64656e2d72756ea776657273696f6e"
+        "08ac706172656e745f7374617465c4208a9828bb1fa1d3b40f13f3af4091f57991e528c63c9992a1ca273775de3eedce"
+        "a76170706c6965649182a76c6561726e6572c42029acbae141bccaf0b22e1a94d34d0bc7361e526d0bfe12c89794bc93"
+        "22966dd7a962617463685f69647391c410000102030405060708090a0b0c0d0e0fa6746f6b656e7360a86c725f736361"
+        "6c65cb3ff0000000000000ab677261645f736861323536c420c454a455918b652d3cf538899c457100ffa79ef029aada"
+        "6b20f54ae8d3166c82a77075626c697368c3a96d616e69666573747391c41161207369676e6564206d616e6966657374"
+        "a6617574686f72c42003a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8a3736967c440b2"
+        "6545a35dd633d73a16520f1cc212e7be97286c79d2a95d96459f0f912b0d0e4fded66f95c6153ae83bf13b5c8714de32"
+        "2c9f564a308cefb4507b6d8b48d105"
+    ),
+    "LineageWait": (
+        "85a17601a474797065ab4c696e6561676557616974a4626f647983a672756e5f6964aa676f6c64656e2d72756ea77665"
+        "7273696f6e07a96d616e69666573747390a6617574686f72c42003a107bff3ce10be1d70dd18e74bc09967e4d6309ba5"
+        "0d5f1ddc8664125531b8a3736967c4403487c326907678c2009529de63cd6783d7252a82837df33f8efee8ac8d6676fb"
+        "4cd82bc11e018150ba31cd81e062c900dcf9dcb213a92a93820104ede1ba1c0a"
+    ),
+    "LineageRefuse": (
+        "85a17601a474797065ad4c696e65616765526566757365a4626f647982a672756e5f6964aa676f6c64656e2d72756ea6"
+        "726561736f6ed9216e6f74206f6e65206f66207468652072756e2773206c6561726e6572206b657973a6617574686f72"
+        "c42003a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8a3736967c44056811d2e047e4d5a"
+        "8177d3b26c89d069b22c94098a0c0c1407b2953ea651c8e3bf7bf91e6e57b09a7cd644818750c3154a432f1943763569"
+        "9c8ac78260fb1b0e"
     ),
 }
 GOLDEN_OTHER = {

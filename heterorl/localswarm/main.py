@@ -21,13 +21,32 @@ log = logging.getLogger("heterorl.localswarm")
 SAMPLER_NICE = 10
 
 
+def learner_dirs_of(out: Path, n: int) -> list[Path]:
+    """``n`` learner state directories, each with its key: ``learner`` holds the lowest key (the lineage's
+    writer), then ``learner-1``, ``learner-2``..."""
+    from heterorl.protocol import load_or_create_identity
+
+    made = []
+    for i in range(n):
+        d = out / f".learner-key-{i}"
+        d.mkdir()
+        made.append((load_or_create_identity(d / "peer.key")[0].public_key, d))
+    dirs = []
+    for i, (_, d) in enumerate(sorted(made, key=lambda x: x[0])):
+        dirs.append(d.rename(out / ("learner" if i == 0 else f"learner-{i}")))
+    return dirs
+
+
 def run(args: argparse.Namespace) -> int:
     from heterorl.protocol import load_or_create_identity
 
     if args.real:
         apply_real_preset(args)
-    if args.samplers < 1:
-        print("error: --samplers must be >= 1", file=sys.stderr)
+    if args.samplers < 1 or args.learners < 1:
+        print("error: --samplers and --learners must be >= 1", file=sys.stderr)
+        return 2
+    if args.learners > 1 and args.learner_nproc > 1:
+        print("error: --learners and --learner-nproc: one or the other", file=sys.stderr)
         return 2
     try:
         settings = run_of(args)
@@ -43,11 +62,10 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True)
     model = local_model(settings)
     settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, path=model))
-    learner_dir = out / "learner"
-    learner_dir.mkdir()
-    learner_key, _ = load_or_create_identity(learner_dir / "peer.key")
+    learner_dirs = learner_dirs_of(out, args.learners)
+    keys = [load_or_create_identity(d / "peer.key")[0].public_key.hex() for d in learner_dirs]
     try:
-        text = run_toml(settings, learner_key.public_key.hex(), f"local-{int(time.time())}")
+        text = run_toml(settings, keys, f"local-{int(time.time())}")
     except ValueError as e:  # a value TOML cannot hold (a null in --task-params)
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -76,13 +94,16 @@ def run(args: argparse.Namespace) -> int:
         boot = ["--bootstrap", *ready["maddrs"], "--run-key", ready["run_key"]]
         log.info("coordinator up: dashboard %s", ready["dashboard"])
         common = ["peer", *boot, "--threads", "1", *peer_consent(settings)]
-        learner = Proc(
-            "learner",
-            [*common, "--role", "learner", "--state-dir", str(learner_dir), "--max-steps", str(args.steps)]
-            + (["--nproc", str(args.learner_nproc)] if args.learner_nproc > 1 else []),
-            out / "learner.stderr.log",
-        )
-        procs.append(learner)
+        for d in learner_dirs:
+            procs.append(
+                Proc(
+                    d.name,
+                    [*common, "--role", "learner", "--state-dir", str(d), "--max-steps", str(args.steps)]
+                    + (["--nproc", str(args.learner_nproc)] if args.learner_nproc > 1 else []),
+                    out / f"{d.name}.stderr.log",
+                )
+            )
+        learner = procs[1]
         sampler_dirs = []
         for i in range(args.samplers):
             slow = args.sampler_slowdown[min(i, len(args.sampler_slowdown) - 1)]
@@ -121,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         view = view_of(ready["dashboard"]) or view
     finally:
         stop_all(procs)
-    summary = summarise(out, sampler_dirs, view, time.monotonic() - started)
+    summary = summarise(out, sampler_dirs, view, time.monotonic() - started, learner_dirs)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(
         f"{summary['steps']} learner updates in {summary['wall_s']:.0f} s: reward first 10 "
@@ -130,6 +151,11 @@ def run(args: argparse.Namespace) -> int:
         f"staleness {summary['staleness']}; summary at {out / 'summary.json'}"
     )
     print("reward curve: " + curve_line(summary["reward_curve"]))
+    if len(learner_dirs) > 1:
+        print(
+            f"{len(learner_dirs)} learners; weights agree: {summary['weights_agree']}; "
+            + ", ".join(f"{n}: {x['updates']} updates with its data" for n, x in summary["learners"].items())
+        )
     if summary["eval_curve"]:
         print(
             "held-out eval of the current policy (update: sampled / greedy): "

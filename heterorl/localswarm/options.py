@@ -30,6 +30,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--samplers", type=int, default=2, help="sampler processes (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=300, help="stop after this many learner updates")
     ap.add_argument(
+        "--learners",
+        type=int,
+        default=1,
+        metavar="N",
+        help="learner peers training one lineage (the lowest key writes; default 1): summary.json adds "
+        "`learners` and `weights_agree`",
+    )
+    ap.add_argument(
         "--learner-nproc",
         type=int,
         default=1,
@@ -150,7 +158,7 @@ def peer_consent(run: Run) -> list[str]:
     return flags
 
 
-def run_toml(run: Run, learner_key: str, run_id: str) -> str:
+def run_toml(run: Run, learner_keys: list[str], run_id: str) -> str:
     """run.toml of ``run`` with its identity, every setting written out."""
     sections = {f.name: getattr(run, f.name) for f in dataclasses.fields(Run)}
-    return dump_run_config(RunConfig(**sections, run_id=run_id, learner_keys=(learner_key,)))
+    return dump_run_config(RunConfig(**sections, run_id=run_id, learner_keys=tuple(learner_keys)))

@@ -43,13 +43,18 @@ def render(view: dict, steps: int, started: float) -> list[str]:
     return lines
 
 
-def summarise(out: Path, samplers: list[Path], view: dict | None, wall: float) -> dict:
+def summarise(
+    out: Path, samplers: list[Path], view: dict | None, wall: float, learners: list[Path] | None = None
+) -> dict:
     from heterorl.protocol.storage.jsonlog import read_rows
     from heterorl.protocol.storage.ledger import AcceptedLog
 
+    learners = learners or [out / "learner"]
     steps: dict[int, dict] = {}
     for row in read_rows(out / "learner" / "metrics.jsonl"):
         steps[row["step"]] = row  # a replayed step (after a learner restart) replaces the lost one
+    if len(learners) > 1:  # one lineage: a version's reward over the batches of every learner in it
+        steps = _lineage_steps(steps, [d / "metrics.jsonl" for d in learners[1:]])
     rows = [steps[k] for k in sorted(steps)]
     hist: collections.Counter[str] = collections.Counter()
     for r in rows:
@@ -91,7 +96,59 @@ def summarise(out: Path, samplers: list[Path], view: dict | None, wall: float) -
         "delta_ratio": next((r["delta_ratio"] for r in reversed(rows) if r.get("delta_ratio")), None),
         "wall_s": wall,
         "peers_seen": len(view.get("peers", [])) if view else None,
+        **(lineage_summary(learners) if len(learners) > 1 else {}),
     }
+
+
+def _lineage_steps(writer: dict[int, dict], members: list[Path]) -> dict[int, dict]:
+    """The writer's rows, each version's ``reward/mean`` the row-weighted mean over the learners whose
+    batches it held (a learner's row carries its own batches' stats)."""
+    from heterorl.protocol.storage.jsonlog import read_rows
+
+    parts: dict[int, list[tuple[float, int]]] = collections.defaultdict(list)
+    rows_of = [list(writer.values())] + [list(read_rows(p)) for p in members]
+    for rows in rows_of:
+        for r in rows:
+            if "reward/mean" in r:
+                parts[r["step"]].append((r["reward/mean"], sum(r.get("rows_by_author", {}).values()) or 1))
+    out = {}
+    for step, row in writer.items():
+        if parts.get(step):
+            n = sum(w for _, w in parts[step])
+            out[step] = {**row, "reward/mean": sum(x * w for x, w in parts[step]) / n}
+    return out
+
+
+def lineage_summary(learners: list[Path]) -> dict:
+    """``learners``: per learner its key, whether it wrote, the updates its batches went into and the
+    batches it had applied; ``weights_agree``: every member checked every version the writer published
+    while it was a member (up to the newest one whose manifest reached it) and found its own weights
+    serialise to the signed bytes, with no mismatch anywhere."""
+    from heterorl.protocol.storage.jsonlog import read_rows
+    from heterorl.protocol.storage.ledger import AcceptedLog
+
+    published = {r["version"] for r in read_rows(learners[0] / "lineage.jsonl") if r.get("published")}
+    per, agree = {}, bool(published)
+    for i, d in enumerate(learners):
+        final_path = d / "final_stats.json"
+        final = json.loads(final_path.read_text()) if final_path.exists() else {}
+        with AcceptedLog(d / "accepted.sqlite") as ledger:
+            applied = ledger.applied_count()
+        lineage = final.get("lineage", {})
+        entry = {
+            "writer": i == 0,
+            "updates": int(lineage.get("lineage/steps_with_my_data", 0)),
+            "batches": applied,
+        }
+        if i:
+            checks = list(read_rows(d / "lineage.jsonl"))
+            agreed = {r["version"] for r in checks if r.get("agree")}
+            upto = max(agreed, default=-1)
+            missed = sorted(v for v in published if v <= upto and v not in agreed)
+            entry.update(versions_checked=len(checks), versions_agreed=len(agreed), versions_missed=missed)
+            agree = agree and bool(agreed) and not missed and all(r.get("agree") for r in checks)
+        per[d.name] = entry
+    return {"learners": per, "weights_agree": agree}
 
 
 def curve_line(curve: list[float], points: int = 10) -> str:

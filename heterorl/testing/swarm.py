@@ -24,18 +24,29 @@ class Swarm:
         lr: float = 2e-3,
         sampler: dict | None = None,
         extra_toml: str = "",
+        learners: int = 1,
         **learner_settings: object,
     ):
         """``sampler``: ``[sampler]`` settings; ``extra_toml``: more run.toml sections (``[adapter]``);
-        ``learner_settings``: ``[learner]``."""
+        ``learners``: learner keys in the run (one lineage: ``learner`` holds the lowest, the writer, then
+        ``learner-1``...); ``learner_settings``: ``[learner]``."""
         from heterorl.protocol import load_or_create_identity
 
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.model_dir = str(Path(model_dir).resolve())
-        self.learner_dir = self.root / "learner"
-        self.learner_dir.mkdir(exist_ok=True)
-        self.learner_key = load_or_create_identity(self.learner_dir / "peer.key")[0].public_key.hex()
+        if learners > 1:
+            from heterorl.localswarm.main import learner_dirs_of
+
+            self.learner_dirs = learner_dirs_of(self.root, learners)
+        else:
+            self.learner_dirs = [self.root / "learner"]
+            self.learner_dirs[0].mkdir(exist_ok=True)
+        self.learner_dir = self.learner_dirs[0]
+        self.learner_keys = [
+            load_or_create_identity(d / "peer.key")[0].public_key.hex() for d in self.learner_dirs
+        ]
+        self.learner_key = self.learner_keys[0]
         self.settings = {"prompts_per_update": 8, "group_size": 8, "publish_every": 1, **learner_settings}
         self.procs: list[Proc] = []
         self.ready: dict = {}
@@ -50,7 +61,8 @@ class Swarm:
         sampler = "\n".join(f"{k} = {v}" for k, v in self.sampler_settings.items())
         path = self.root / "run.toml"
         path.write_text(
-            f'run_id = "test-{int(time.time() * 1000) % 10**8}"\nlearner_keys = ["{self.learner_key}"]\n'
+            f'run_id = "test-{int(time.time() * 1000) % 10**8}"\n'
+            f"learner_keys = {json.dumps(self.learner_keys)}\n"
             f'[model]\npath = "{self.model_dir}"\n[objective]\nname = "gepo"\nlr = {lr}\n'
             f"[learner]\n{learner}\n[sampler]\n{sampler}\n{self.extra_toml}"
         )
@@ -70,11 +82,29 @@ class Swarm:
         boot = ["--bootstrap", *self.ready["maddrs"], "--run-key", self.ready["run_key"]]
         return [*boot, "--model-dir", self.model_dir]
 
-    def start_learner(self, *extra: str, module: str = "heterorl.cli", wrap: list[str] | None = None) -> Proc:
-        args = ["--role", "learner", "--state-dir", str(self.learner_dir), "--threads", "1"]
+    def start_learner(
+        self, *extra: str, module: str = "heterorl.cli", wrap: list[str] | None = None, index: int = 0
+    ) -> Proc:
+        d = self.learner_dirs[index]
+        args = ["--role", "learner", "--state-dir", str(d), "--threads", "1"]
         if module == "heterorl.cli":
             args = ["peer", *args]
-        return self._start("learner", [*args, *self.bootstrap(), *extra], module=module, wrap=wrap)
+        return self._start(d.name, [*args, *self.bootstrap(), *extra], module=module, wrap=wrap)
+
+    def sampler_key_for(self, name: str, index: int) -> None:
+        """Give sampler ``name`` a key whose first choice of learner (rendezvous hashing) is learner
+        ``index``: a test then knows where each sampler's batches go."""
+        from heterorl.protocol import load_or_create_identity
+        from heterorl.protocol.net.trajectories import LearnerAddress, rendezvous_order
+
+        learners = [LearnerAddress(bytes.fromhex(k), str(i), ()) for i, k in enumerate(self.learner_keys)]
+        d = self.root / name
+        while True:
+            d.mkdir(exist_ok=True)
+            key = load_or_create_identity(d / "peer.key")[0].public_key
+            if rendezvous_order(key, learners)[0].peer_id == str(index):
+                return
+            (d / "peer.key").unlink()
 
     def restart_learner(self, learner: Proc, *extra: str, timeout: float = 60, **kw) -> Proc:
         """Stop ``learner`` as a volunteer's Ctrl-C does (SIGTERM: it saves its state and leaves; SIGKILL
@@ -103,12 +133,12 @@ class Swarm:
 
     # ---- what happened ----
 
-    def metrics(self) -> list[dict]:
+    def metrics(self, index: int = 0) -> list[dict]:
         """The learner's updates, one per step (a step replayed after a restart replaces the lost one)."""
         from heterorl.protocol.storage.jsonlog import read_rows
 
         steps: dict[int, dict] = {}
-        for row in read_rows(self.learner_dir / "metrics.jsonl"):  # a row being written: not yet
+        for row in read_rows(self.learner_dirs[index] / "metrics.jsonl"):  # a row being written: not yet
             steps[row["step"]] = row
         return [steps[k] for k in sorted(steps)]
 

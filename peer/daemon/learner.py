@@ -45,6 +45,7 @@ from ..learner.trust import LearnerTrust
 from ..model.prompts import PromptFormat
 from .announcer import Announcer
 from .heartbeat import Status
+from .learner_lineage import LineageRole
 from .learner_setup import held_out_eval, make_trainer, model_factory, resume, warn_if_unbounded_staleness
 from .learner_stats import LearnerStats
 from .publisher import Publisher
@@ -96,6 +97,7 @@ class Learner:
             reward_check=self.reward_check,
             replica=self.replica if s.adapter is None else None,  # adapter runs: not yet spot-checked
             pad_id=self.tok.pad_token_id,
+            unchecked_versions_wait=len(s.learner_keys) > 1,
         )
         if s.adapter is not None:
             log.warning("adapter run: sampled rollouts are not spot-checked (full fine-tuning runs only)")
@@ -128,7 +130,7 @@ class Learner:
             checkpoint_dtype=s.learner.checkpoint_dtype,
             deltas=s.learner.deltas,
             save_every_s=s.learner.save_every_s,
-            on_published=self.trust.published,
+            on_published=self._on_published,
         )
         self.stats = LearnerStats(
             step=lambda: self.step,
@@ -141,6 +143,8 @@ class Learner:
             world_size=self.world_size,
         )
         self._due = False  # a version is due and waits for the publisher to be free
+        # several learner keys: one lineage of versions, the lowest key writes (learner_lineage.py)
+        self.lineage = LineageRole(self) if len(s.learner_keys) > 1 else None
         self.stats.replayed = self.trust.replay(self._saved_step)
 
     @property
@@ -149,7 +153,16 @@ class Learner:
         return self.trainer.version
 
     def _published_version(self) -> int:
+        """The newest version this learner holds as published: signed here, or checked against the lineage
+        writer's manifest."""
+        if self.lineage is not None:
+            return self.lineage.published_version()
         return self.publisher.published_version
+
+    def _on_published(self, version: int, weights: dict) -> None:
+        self.trust.published(version, weights)
+        if self.lineage is not None:
+            self.lineage.published(version)
 
     # ---- checkpoints ----
 
@@ -213,9 +226,10 @@ class Learner:
         self.rt.append_jsonl("metrics.jsonl", {**row, **self.evaluate_now()})
 
     def refresh_status(self) -> Status:
+        lineage = self.lineage.stats() if self.lineage is not None else {}
         self.status.update(
-            policy_version=self.publisher.published_version,
-            stats=self.stats.heartbeat(),
+            policy_version=self._published_version(),
+            stats={**self.stats.heartbeat(), **lineage},
             bans=self.trust.reputation.bans(),
         )
         return self.status
@@ -225,20 +239,26 @@ class Learner:
     def start(self) -> None:
         s = self.settings
         warn_if_unbounded_staleness(s)
-        self.status.state = f"publishing version {self.step}"
-        self._publish_now(with_state=False)  # version 0 (or the step resumed at) before anyone can sample
+        if self.lineage is None or self.lineage.is_writer:  # a lineage member signs nothing: it checks
+            self.status.state = f"publishing version {self.step}"
+            self._publish_now(with_state=False)  # version 0 (or the step resumed at) before anyone samples
         self.rt.start_thread("checkpoint publisher", self.publisher.run)
         self.rt.start_thread("batch assembler", self.assembler.run)
         if self.trust.spot_check is not None:
             self.rt.start_thread("release sweep", lambda: self.trust.sweep(self.rt.stop))
         self.rt.stop.on_set(self.assembler.close)  # wakes the training thread waiting for its next batch
         self.node.call(self.receiver.attach(self.node))
+        if self.lineage is not None:  # after intake: a member's early batches wait for its first check
+            self.lineage.start()
         log.info(
             "learning: run %s, objective %s, step %d, %d rank(s)", s.run_id, s.objective.name, self.step,
             self.world_size,
         )  # fmt: skip
 
     def loop(self) -> None:
+        if self.lineage is not None:
+            self.lineage.loop()
+            return
         waited = 0.0
         while self.rt.running():
             if self.opt.max_steps is not None and self.step >= self.opt.max_steps:
@@ -276,19 +296,23 @@ class Learner:
         self.publisher.wait_idle()
         try:  # the last version, published and saved (a restart then redoes nothing)
             pub = self.publisher
-            if pub.published_version != self.step or pub.saved_version != self.step:
+            member = self.lineage is not None and not self.lineage.is_writer  # signs nothing
+            if not member and (pub.published_version != self.step or pub.saved_version != self.step):
                 self.status.state = f"publishing version {self.step}"
                 self._publish_now(with_state=True)
         except Exception as e:
             log.warning("final checkpoint not published: %s", e)
         self.trust.save()
-        self.rt.write_final_stats(self.stats.final(self.reward_check.rows_disagreeing))
+        lineage = {"lineage": self.lineage.stats()} if self.lineage is not None else {}
+        self.rt.write_final_stats({**self.stats.final(self.reward_check.rows_disagreeing), **lineage})
         # a dead daemon announces nothing: leave at once (the state is saved)
         if self.node.daemon_alive() and not self.announcer.wait_idle(ANNOUNCE_TIMEOUT_S):
             log.warning("leaving before the last checkpoint announce finished")
 
     def close(self) -> None:
         """After the node closed: no stream handler touches the ledger any more; the other ranks stop."""
+        if self.lineage is not None:
+            self.lineage.close()
         self.receiver.close()
         self.ledger.close()
         stop = getattr(self.trainer, "stop", None)  # a rank leader: its followers end

@@ -115,7 +115,14 @@ class Sampler:
         self.rng = random.Random(int.from_bytes(self.identity.public_key[:8], "big") ^ time.time_ns())
         self.outbox = Outbox(self.state_dir / "outbox.sqlite")
         self._wake = runtime.wakeup()  # set by the sender and the follower on every change the loop waits for
-        self.sender = self.SENDER(self.node, self.outbox, s.run_id, s.learner_keys, on_change=self._wake.set)
+        self.sender = self.SENDER(
+            self.node,
+            self.outbox,
+            s.run_id,
+            s.learner_keys,
+            on_change=self._wake.set,
+            author=self.identity.public_key,
+        )
         self.follower = CheckpointFollower(
             self.node,
             self.store,

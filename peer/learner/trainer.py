@@ -145,6 +145,34 @@ class Trainer:
         self.version += 1
         return {**stats, "grad_norm": grad_norm, "mem/peak_mib": peak_memory_mib(device)}
 
+    # ---- a step in parts: one learner's gradient, and a gradient applied (learner peers) ----
+
+    def gradients(self, rows: Rows) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """The objective's gradient on ``rows`` at the current version, as float32 CPU copies by parameter
+        name (unclipped), and the objective's stats; the model keeps no gradient after."""
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = accumulate_gradients(self.model, rows, self.options, version=self.version, pad_id=self.pad_id)
+        grads = {
+            n: (torch.zeros_like(p) if p.grad is None else p.grad).to("cpu", torch.float32, copy=True)
+            for n, p in self.named_trainable()
+        }
+        self.optimizer.zero_grad(set_to_none=True)
+        return grads, stats
+
+    def apply(self, grads: dict[str, Tensor], lr_scale: float = 1.0) -> None:
+        """One optimiser step on ``grads`` (already reduced and clipped: every learner of a lineage applies
+        the same bytes, so none clips on its own); the next version."""
+        for n, p in self.model.named_parameters():
+            if p.requires_grad:
+                p.grad = grads[n].to(p.device, p.dtype)
+        scaled_optimizer_step(self.optimizer, lr_scale)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+    def named_trainable(self) -> list[tuple[str, Tensor]]:
+        """The parameters that train, by name (the lineage's gradient schema and state hash)."""
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
     # ---- versions and state ----
 
     def published_state(self) -> dict[str, Tensor]:

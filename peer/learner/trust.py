@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from heterorl.protocol import decode
+from heterorl.protocol.net.trajectories import Deferral
 from heterorl.protocol.settings import RunSettings
 from heterorl.protocol.storage.ledger import AcceptedLog
 from heterorl.protocol.wire.errors import ProtocolError
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 SWEEP_EVERY_S = 0.25  # the release sweep's period (it also wakes when flow control is full)
 EXPIRE_EVERY_S = 30.0  # how often records never earned are looked at for expiry
+UNCHECKED_RETRY_S = 1.0  # a lineage member's wait for the writer's manifest of a version it stepped to
 
 
 class LearnerTrust:
@@ -51,6 +53,9 @@ class LearnerTrust:
     ``store``: the learner's chunk store (the versions it published, to check claims and spot checks
     against). ``step`` / ``published``: the trainer's version and the newest published one, read live.
     ``replica``: the model the spot checker loads versions into; None runs no spot checks (adapter runs).
+    ``unchecked_versions_wait``: a lineage member's (:mod:`~heterorl.peer.daemon.learner_lineage`): a batch of
+    a version it has stepped to but whose manifest from the writer it has not checked yet is deferred, not
+    refused (the writer published it; the manifest is on its way).
     """
 
     def __init__(
@@ -65,9 +70,11 @@ class LearnerTrust:
         reward_check: Check,
         replica: ModelReplica | None,
         pad_id: int,
+        unchecked_versions_wait: bool = False,
     ):
         self.settings, self.ledger, self.buffer, self.store = settings, ledger, buffer, store
         self._step, self._published = step, published
+        self._unchecked_wait = unchecked_versions_wait
         s = settings
         self.held = HeldBatches()
         self._lock = threading.RLock()  # a batch is held or released, never both
@@ -161,7 +168,10 @@ class LearnerTrust:
             return f"claims version {v}, which was never published"
         return self.reputation.check_claim(body, author)
 
-    def _check_staleness(self, body: dict, _author: bytes) -> str | None:
+    def _check_staleness(self, body: dict, _author: bytes) -> str | Deferral | None:
+        v = body["policy_version"]
+        if self._unchecked_wait and self._published() < v <= self._step():
+            return Deferral(f"version {v}: its manifest is not checked here yet", UNCHECKED_RETRY_S)
         return staleness_refusal(
             self._step(), body["policy_version"], self._published(), self.settings.learner.max_staleness
         )

@@ -45,9 +45,7 @@ class DrGRPOParams(TokenClipParams):
     clip: ClipArg = 0.2
 
 
-@register(
-    "grpo", params=GRPOParams, aggregation="seq_mean_token_mean", token_advantages=True
-)
+@register("grpo", params=GRPOParams, aggregation="seq_mean_token_mean", token_advantages=True)
 def grpo(batch: PolicyBatch, p: TokenClipParams) -> Terms:
     """GRPO (DeepSeekMath, arXiv 2402.03300 eq. 3): token PPO clip ε=0.2, per-sequence token mean."""
     return _token_ppo(batch, p)

@@ -10,6 +10,10 @@ and is written before the Ack goes out).
 A Reject with ``retry_after_s > 0`` is flow control ("my buffer is full, come back later"): the sampler keeps
 the batch and waits that long. A Reject with ``retry_after_s == 0`` is final (malformed, wrong run, bad
 signature, rewards that do not recompute): the sampler drops the batch and logs the reason.
+
+A run may list several learners: each sampler sends to one of them, chosen by rendezvous hashing of its key
+(:func:`rendezvous_order`), so its record at that learner stays whole; it moves to the next in that order only
+while a send to its first choice fails (``FAILOVER_S``), never because a learner is busy.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -41,6 +46,9 @@ STREAM_IDLE_S = 300.0
 DEFAULT_RETRY_AFTER_S = 2.0
 LEARNER_REFRESH_S = 3.0
 LATENCY_SAMPLES = 2048
+# seconds a learner is passed over after a send to it failed: its samplers go to the next learner in
+# rendezvous order, then back to it (a "busy" Reject moves no one: that learner is up, records stay whole)
+FAILOVER_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,13 +266,29 @@ async def find_learners(node: Node, run_id: str, learner_keys: Iterable[bytes]) 
     ]
 
 
+def rendezvous_order(author: bytes, learners: list[LearnerAddress]) -> list[LearnerAddress]:
+    """The learners in ``author``'s order of preference (highest-random-weight hashing): by
+    ``sha256(b"heterorl-hrw" + author + key)``, highest first. A function of the author and the learners
+    alone, not of their order; authors spread evenly, and a learner leaving moves only the authors it had."""
+
+    def score(learner: LearnerAddress) -> tuple[bytes, str, tuple[str, ...]]:
+        return (
+            hashlib.sha256(b"heterorl-hrw" + author + learner.key).digest(),
+            learner.peer_id,
+            learner.maddrs,
+        )
+
+    return sorted(learners, key=score, reverse=True)
+
+
 class TrajectorySender:
     """Sampler side: drain the outbox to the run's learners; retry, back off and obey flow control.
 
     Run :meth:`run` as a node-owned task (``node.spawn(sender.run())``); call :meth:`notify` after putting
     into the outbox to wake it. ``learners`` overrides the DHT lookup (tests). ``on_change()`` is called on
     the loop after each batch's outcome (Ack, Reject, a failed send, no learner to send to), so a sampler
-    waiting for room in its outbox or for the learner's word wakes then (it must not block).
+    waiting for room in its outbox or for the learner's word wakes then (it must not block). ``author`` is the
+    sampler's public key: it picks the learner (:func:`rendezvous_order`, failover in :meth:`_pick`).
     """
 
     def __init__(
@@ -277,8 +301,10 @@ class TrajectorySender:
         learners: list[LearnerAddress] | None = None,
         request_timeout: float = 30.0,
         on_change: Callable[[], object] = lambda: None,
+        author: bytes = b"",
     ):
         self.node, self.outbox, self.run_id, self.on_change = node, outbox, run_id, on_change
+        self.author = author
         self.learner_keys = list(learner_keys)
         self._fixed = learners
         self.request_timeout = request_timeout
@@ -286,7 +312,7 @@ class TrajectorySender:
         self._streams: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
         self._learners: list[LearnerAddress] = []
         self._learners_at = 0.0
-        self._next = 0
+        self._failed_until: dict[bytes, float] = {}  # learner key -> monotonic time it is passed over until
         self.sent = 0
         self.acked = 0
         self.rejected = 0
@@ -339,14 +365,19 @@ class TrajectorySender:
                     await asyncio.to_thread(self.outbox.retry, item.batch_id)
                 self.on_change()
                 continue
-            learner = learners[self._next % len(learners)]
-            self._next += 1
+            learner = self._pick(learners)
             self.state = "sending"
             try:
                 acked += await self._send_window(learner, window)
             finally:
                 self.on_change()
         return acked
+
+    def _pick(self, learners: list[LearnerAddress]) -> LearnerAddress:
+        """The first learner in rendezvous order not passed over after a failed send (else the first)."""
+        order = rendezvous_order(self.author, learners)
+        now = time.monotonic()
+        return next((lr for lr in order if self._failed_until.get(lr.key, 0.0) <= now), order[0])
 
     async def _send_window(self, learner: LearnerAddress, items: list) -> int:
         """Write every item's frame, then read their replies in order; what got no good reply is retried."""
@@ -368,6 +399,7 @@ class TrajectorySender:
                 acked += await self._on_reply(item, kind, body, time.monotonic() - start)
         except Exception as e:  # learner gone, stream broken, garbage reply: keep the batches, back off
             self.failures += 1
+            self._failed_until[learner.key] = time.monotonic() + FAILOVER_S
             self._drop_stream(learner)
             self._learners_at = 0.0  # look the learners up again
             for item in items[answered:]:

@@ -27,15 +27,18 @@ from .trust import TrustSettings
 
 log = logging.getLogger(__name__)
 
-MAX_LEARNER_KEYS = 1  # one learner per run until learner peers land
+MAX_LEARNER_KEYS = 64  # the RunSpec schema's bound
 
 
 def check_learner_keys(keys: tuple | list) -> None:
-    """ValueError for a run that names more learners than a run can have (one): several learners are not
-    supported yet (honest samplers would get banned); the coordinator refuses to sign such a RunSpec, a peer
-    to join one."""
+    """ValueError for a run that names no learner, more than :data:`MAX_LEARNER_KEYS`, or one twice. Several
+    learners train one lineage of versions (the lowest key writes, ``protocol/net/lineage.py``)."""
+    if not keys:
+        raise ValueError("learner_keys is empty: list the public key of at least one learner")
     if len(keys) > MAX_LEARNER_KEYS:
-        raise ValueError(f"learner_keys lists {len(keys)} keys; one learner per run until learner peers land")
+        raise ValueError(f"learner_keys lists {len(keys)} keys; at most {MAX_LEARNER_KEYS} learners per run")
+    if len(set(keys)) != len(keys):
+        raise ValueError("learner_keys lists a key twice")
 
 
 EXAMPLE = """\

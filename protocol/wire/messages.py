@@ -29,6 +29,8 @@ HASH_BYTES = 32
 MAX_BANS = 32  # banned authors a learner's heartbeat names (the most recent)
 MAX_BAN_REASON = 200
 MAX_DELTAS = 8  # a manifest offers its version as a delta against at most this many older versions
+MAX_LEARNERS = 64  # learner keys a RunSpec may list
+MAX_LINEAGE_BATCHES = 4096  # batches one learner contributes to one version
 
 _token_ids = s.array(s.integer(0, 1 << 31), MAX_TOKENS)
 _run_id = s.text(128)
@@ -108,7 +110,7 @@ SCHEMAS: dict[str, s.Check] = {
                     "max_new_tokens": s.integer(1, MAX_TOKENS),
                 }
             ),
-            "learner_keys": s.array(_key, 64, min_len=1),
+            "learner_keys": s.array(_key, MAX_LEARNERS, min_len=1),
             "vocab_size": s.integer(1, 1 << 24),
             "max_batch_rows": s.integer(1, MAX_ROWS),
         }
@@ -146,6 +148,59 @@ SCHEMAS: dict[str, s.Check] = {
         # ... of the run's data set with this id instead (protocol/wire/dataset.py; version 0)
         optional={"dataset": s.binary(HASH_BYTES, HASH_BYTES)},
     ),
+    # ---- learner peers: one lineage of versions across several learners (protocol/net/lineage.py) ----
+    # the first frame each way on a lineage stream: who speaks (its libp2p peer id, which the stream itself
+    # authenticates, bound here to its signing key), to whom, of which model, at which version
+    "LineageHello": s.record(
+        {
+            "run_id": _run_id,
+            "peer_id": _peer_id,
+            "to_peer_id": _peer_id,
+            "schema": s.binary(HASH_BYTES, HASH_BYTES),  # sha256 of the parameters' names, shapes, dtypes
+            "version": s.integer(0, 1 << 53),
+        }
+    ),
+    # a learner's gradient on version ``version`` (the next frame: safetensors of float32 tensors, hashing
+    # to ``grad_sha256``; none when ``tokens`` is 0), from the batches it names
+    "Contribution": s.record(
+        {
+            "run_id": _run_id,
+            "version": s.integer(0, 1 << 53),
+            "batch_ids": s.array(s.binary(BATCH_ID_BYTES, BATCH_ID_BYTES), MAX_LINEAGE_BATCHES),
+            "tokens": s.integer(0, 1 << 40),
+            "lr_scale": s.number(0.0, 1e6),
+            "grad_sha256": s.binary(0, HASH_BYTES),
+        }
+    ),
+    # the writer's step from ``version - 1`` to ``version``: the gradient every member applies (the next
+    # frame, hashing to ``grad_sha256``), whose batches it holds, the state it was taken on, and the signed
+    # manifests of versions published since the last commit to this member
+    "Commit": s.record(
+        {
+            "run_id": _run_id,
+            "version": s.integer(1, 1 << 53),
+            "parent_state": s.binary(HASH_BYTES, HASH_BYTES),  # sha256 of the float32 weights at version - 1
+            "applied": s.array(
+                s.record(
+                    {
+                        "learner": _key,
+                        "batch_ids": s.array(s.binary(BATCH_ID_BYTES, BATCH_ID_BYTES), MAX_LINEAGE_BATCHES),
+                    }
+                ),
+                MAX_LEARNERS,
+            ),
+            "tokens": s.integer(1, 1 << 40),
+            "lr_scale": s.number(0.0, 1e6),
+            "grad_sha256": s.binary(HASH_BYTES, HASH_BYTES),
+            "publish": s.boolean(),  # the writer publishes ``version``: members keep its bytes to check
+            "manifests": s.array(s.binary(1, 1 << 20), 8),
+        }
+    ),
+    # no round closed while the member waited with nothing to give: it contributes again
+    "LineageWait": s.record(
+        {"run_id": _run_id, "version": s.integer(0, 1 << 53), "manifests": s.array(s.binary(1, 1 << 20), 8)}
+    ),
+    "LineageRefuse": s.record({"run_id": _run_id, "reason": s.text(512)}),
     "Ack": s.record({"run_id": _run_id, "batch_id": s.binary(BATCH_ID_BYTES, BATCH_ID_BYTES)}),
     "Reject": s.record(
         {

@@ -1,0 +1,94 @@
+"""A lineage member's check of each published version: its own weights against the writer's signed manifest.
+
+A member keeps the weights of every version the writer said it publishes (:meth:`Adopter.keep`, a few at a
+time). When the signed manifest of one arrives (:meth:`Adopter.adopt`), the member serialises its own weights
+exactly as the publisher does and compares the chunk hashes. A match means this learner holds the published
+bytes: its chunks and the writer's manifest go into its chunk store (its trust gate checks claims of that
+version against them) and ``lineage.jsonl`` records it. A mismatch is logged and counted, and recorded too.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from heterorl.protocol import decode
+from heterorl.protocol.storage.store import ChunkStore
+from heterorl.protocol.wire.checkpoint import manifest_body, serialize_state_dict
+from heterorl.protocol.wire.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+KEPT = 8  # versions awaiting their manifest (the writer publishes one at a time: a few at most)
+
+
+class Adopter:
+    def __init__(
+        self,
+        run_id: str,
+        writer_key: bytes,
+        store: ChunkStore,
+        dtype: str,
+        *,
+        on_adopted: Callable[[int, dict], None] | None = None,
+        log_path: Path | None = None,
+    ):
+        self.run_id, self.writer_key, self.store, self.dtype = run_id, writer_key, store, dtype
+        self.on_adopted, self.log_path = on_adopted, log_path
+        self._kept: collections.OrderedDict[int, dict] = collections.OrderedDict()
+        self.published_version = -1
+        self.agreed = self.mismatched = self.unchecked = 0
+
+    def keep(self, version: int, snapshot) -> None:
+        """The weights of ``version`` (a Snapshot), until its manifest comes."""
+        self._kept[version] = snapshot.weights
+        while len(self._kept) > KEPT:
+            self._kept.popitem(last=False)
+
+    def adopt(self, raw: bytes) -> bool | None:
+        """Check a manifest the writer signed against this learner's weights of its version: True (agree:
+        stored), False (disagree), None (not a version kept here: published before this learner had it)."""
+        try:
+            _, body, author = decode(raw, "CheckpointManifest", run_id=self.run_id)
+        except ProtocolError as e:
+            raise ProtocolError(f"a manifest in the writer's reply: {e}") from None
+        if author != self.writer_key:
+            raise ProtocolError("a manifest in the writer's reply not signed by the writer")
+        v = body["version"]
+        weights = self._kept.pop(v, None)
+        for old in [k for k in self._kept if k < v]:  # versions the writer skipped: never published
+            del self._kept[old]
+        if weights is None:
+            self.unchecked += 1
+            return None
+        data = serialize_state_dict(weights)
+        mine, chunks = manifest_body(self.run_id, v, body["parent_version"], data, body["dtype"])
+        agree = all(mine[k] == body[k] for k in ("chunk_hashes", "total_size", "chunk_bytes"))
+        if agree:
+            for h, c in zip(mine["chunk_hashes"], chunks, strict=True):
+                self.store.put(h, c)
+            self.store.add_manifest(raw, body)
+            self.published_version = max(self.published_version, v)
+            self.agreed += 1
+            if self.on_adopted is not None:
+                self.on_adopted(v, weights)
+        else:
+            self.mismatched += 1
+            log.error(
+                "version %d: this learner's weights do not serialise to the writer's signed manifest", v
+            )
+        if self.log_path is not None:
+            with self.log_path.open("a") as f:
+                f.write(json.dumps({"version": v, "agree": agree, "time": time.time()}) + "\n")
+        return agree
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "lineage/versions_agreed": self.agreed,
+            "lineage/versions_mismatched": self.mismatched,
+            "lineage/versions_unchecked": self.unchecked,
+        }
