@@ -151,6 +151,17 @@ MESSAGES = {
             "to_peer_id": "12D3KooWWriter",
             "schema": hashlib.sha256(b"schema").digest(),
             "version": 7,
+            "state": hashlib.sha256(b"state 7").digest(),
+        },
+    ),
+    "StateOffer": (
+        "StateOffer",
+        {
+            "run_id": RUN,
+            "version": 9,
+            "state": hashlib.sha256(b"state 9").digest(),
+            "weights_sha256": hashlib.sha256(b"weights").digest(),
+            "optimizer_sha256": hashlib.sha256(b"optimizer").digest(),
         },
     ),
     "Contribution": (

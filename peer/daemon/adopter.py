@@ -71,7 +71,10 @@ class Adopter:
         if agree:
             for h, c in zip(mine["chunk_hashes"], chunks, strict=True):
                 self.store.put(h, c)
-            self.store.add_manifest(raw, body)
+            try:
+                self.store.add_manifest(raw, body)
+            except ValueError as e:  # this version held with another signature (this learner's, before)
+                log.info("version %d: the writer's manifest not stored: %s", v, e)
             self.published_version = max(self.published_version, v)
             self.agreed += 1
             if self.on_adopted is not None:

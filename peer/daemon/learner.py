@@ -43,10 +43,10 @@ from ..learner.replica import ModelReplica
 from ..learner.trainer import TrainerLike
 from ..learner.trust import LearnerTrust
 from ..model.prompts import PromptFormat
+from . import learner_setup as setup
 from .announcer import Announcer
 from .heartbeat import Status
 from .learner_lineage import LineageRole
-from .learner_setup import held_out_eval, make_trainer, model_factory, resume, warn_if_unbounded_staleness
 from .learner_stats import LearnerStats
 from .publisher import Publisher
 from .runtime import PeerRuntime
@@ -70,23 +70,21 @@ class Learner:
     def __init__(self, runtime: PeerRuntime, options: LearnerOptions = LearnerOptions()):
         self.rt, self.opt, self.node, self.identity = runtime, options, runtime.node, runtime.identity
         self.settings = s = runtime.settings
-        if self.identity.public_key not in s.learner_keys:
-            raise PermissionError(
-                f"this peer's key {self.identity.public_key.hex()} is not among the run's learner keys; "
-                "list it in run.toml's learner_keys"
-            )
+        setup.require_learner_key(self.identity.public_key, s)
         self.state_dir, self.status, self.store = runtime.state_dir, runtime.status, runtime.store
         self.trainer: TrainerLike
-        self.trainer, self.tok, self.world_size = make_trainer(s, runtime.model_dir(), runtime.hw.device)
-        self._saved_step = resume(self.trainer, s, self.state_dir, self.store)
+        self.trainer, self.tok, self.world_size = setup.make_trainer(
+            s, runtime.model_dir(), runtime.hw.device
+        )
+        self._saved_step = setup.resume(self.trainer, s, self.state_dir, self.store)
         self.ledger = AcceptedLog(self.state_dir / "accepted.sqlite")
         self.buffer = TrajectoryBuffer(s.learner.buffer_batches)
         self.reward_check = RewardCheck(
             runtime.task(), self.tok, prompts=PromptFormat(self.tok, s.model.chat)
         )
-        factory = model_factory(s, runtime.model_dir(), runtime.hw.device)
+        factory = setup.model_factory(s, runtime.model_dir(), runtime.hw.device)
         self.replica = ModelReplica(factory)  # the spot checker's and the eval's model, never training's
-        self.evaluate = held_out_eval(s, runtime.task(), self.tok)
+        self.evaluate = setup.held_out_eval(s, runtime.task(), self.tok)
         self.trust = LearnerTrust(
             s,
             self.ledger,
@@ -145,7 +143,8 @@ class Learner:
         self._due = False  # a version is due and waits for the publisher to be free
         # several learner keys: one lineage of versions, the lowest key writes (learner_lineage.py)
         self.lineage = LineageRole(self) if len(s.learner_keys) > 1 else None
-        self.stats.replayed = self.trust.replay(self._saved_step)
+        # a lineage's state holds every batch a learner marked applied: only those never applied replay
+        self.stats.replayed = self.trust.replay(self._saved_step if self.lineage is None else None)
 
     @property
     def step(self) -> int:
@@ -182,29 +181,6 @@ class Learner:
             self._due = False
         self.stats.blocked_s += time.perf_counter() - t
 
-    # ---- held-out evaluation (the training thread, between updates) ----
-
-    def evaluate_now(self) -> dict[str, float]:
-        """Score the current version's checkpoint weights on the held-out prompts if an evaluation is due
-        (every ``eval_every`` updates); it goes into the metrics row and every heartbeat until the next."""
-        every = self.settings.learner.eval_every
-        if self.evaluate is None or self.step == 0 or self.step % every != 0:
-            return {}
-        t = time.perf_counter()
-        self.status.state = f"evaluating (step {self.step})"
-        snap = self.trainer.snapshot(self.settings.learner.checkpoint_dtype, with_state=False)
-        scores = self.evaluate.of_weights(self.replica, snap.weights, tag=("eval", snap.version))
-        self.stats.last_eval = ev = {**scores, "eval/step": float(self.step)}
-        self.stats.train_s += time.perf_counter() - t
-        log.info(
-            "held-out eval at step %d: sampled %.3f, greedy %.3f (%.1f s)",
-            self.step,
-            ev["eval/sampled"],
-            ev["eval/greedy"],
-            ev["eval/time_s"],
-        )
-        return ev
-
     # ---- training (the main thread) ----
 
     def train(self, got: Assembled) -> None:
@@ -223,7 +199,7 @@ class Learner:
         if self._due:
             self._offer_version()
         row = self.stats.updated(step, batches, stats)
-        self.rt.append_jsonl("metrics.jsonl", {**row, **self.evaluate_now()})
+        self.rt.append_jsonl("metrics.jsonl", {**row, **setup.evaluate_if_due(self)})
 
     def refresh_status(self) -> Status:
         lineage = self.lineage.stats() if self.lineage is not None else {}
@@ -238,7 +214,7 @@ class Learner:
 
     def start(self) -> None:
         s = self.settings
-        warn_if_unbounded_staleness(s)
+        setup.warn_if_unbounded_staleness(s)
         if self.lineage is None or self.lineage.is_writer:  # a lineage member signs nothing: it checks
             self.status.state = f"publishing version {self.step}"
             self._publish_now(with_state=False)  # version 0 (or the step resumed at) before anyone samples

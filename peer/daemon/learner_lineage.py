@@ -13,8 +13,16 @@ Each version is one step:
 
 Every member keeps the weights of each version the writer publishes (the Commit says which) and checks, when
 the signed manifest reaches it, that they serialise to exactly the manifest's chunks
-(:class:`~.adopter.Adopter`); a match is stored and serves its trust checks, a mismatch is logged, counted
-and stops the member. A member also checks each Commit's parent state hash against its own weights.
+(:class:`~.adopter.Adopter`); a match is stored and serves its trust checks, a mismatch is logged and
+counted. A member also checks each Commit's parent state hash against its own weights; on a mismatch it
+takes the writer's state again (a resync, counted).
+
+Who writes: a learner that starts (or loses its writer) looks at the run's live learners' heartbeats
+(:func:`~heterorl.protocol.net.lineage.find_lineage`). If one says it writes, it joins it (taking its state
+when its own differs: a restart, or a newcomer). If none does and no live learner has a lower key, it writes
+after :data:`ELECT_WAIT_S`, numbering its versions after the newest one any learner published. Batches a
+learner marked applied are in the lineage's state (it took that state), so a restart replays only those
+never applied.
 """
 
 from __future__ import annotations
@@ -23,30 +31,30 @@ import json
 import logging
 import time
 
-from heterorl.protocol import encode
-from heterorl.protocol.net.lineage import LineageLink, LineageWriter
-from heterorl.protocol.net.trajectories import find_learners
+from heterorl.protocol import ProtocolError, encode
+from heterorl.protocol.net.chunks import latest_manifest
+from heterorl.protocol.net.lineage import LineageLink, LineageWriter, LiveLearner, find_lineage
 from heterorl.protocol.wire.gradients import encode_gradient, parameter_schema
 
 from ..learner.assembler import Assembled
 from ..learner.combine import combine_gradients, state_sha256, weighted_lr_scale
+from ..learner.state_transfer import load_state_bytes, state_bytes
 from ..learner.trainer import LR_SCALE_KEY
 from .adopter import Adopter
+from .learner_setup import evaluate_if_due
 
 log = logging.getLogger(__name__)
 
 TAKE_S = 0.2  # a learner's wait for its own next update before it looks at the lineage again
-START_WAIT_S = 60.0  # the writer's wait, before its first step, for every listed learner to connect
-FIND_WRITER_S = 120.0  # a member's wait for the writer's heartbeat
+START_WAIT_S = 30.0  # the writer's wait, before its first step, for the other live learners to join
+# at start, no live learner says it writes and none has a lower key: this long, then this one writes (a lower
+# key starting at the same time beats first); after its writer left, a learner elects at once
+ELECT_WAIT_S = 5.0
+FIND_S = 120.0  # how long a learner looks for a writer to join (or the right to write) before it gives up
 
 
 class WeightsDisagree(RuntimeError):
-    """This learner's weights are not the lineage's: it stops (a state transfer comes later)."""
-
-
-def writer_of(keys) -> bytes:
-    """The lineage's writer: the lowest of the run's learner keys."""
-    return min(bytes(k) for k in keys)
+    """This learner's weights are not the lineage's."""
 
 
 class LineageRole:
@@ -56,68 +64,109 @@ class LineageRole:
         self.l = learner
         s = learner.settings
         self.key = learner.identity.public_key
-        self.writer_key = writer_of(s.learner_keys)
-        self.is_writer = self.key == self.writer_key
         self.schema = parameter_schema(learner.trainer.named_trainable())
-        self.writer: LineageWriter | None = None
+        self.writer = LineageWriter(learner.identity, s.run_id, s.learner_keys, self.schema)
         self.link: LineageLink | None = None
-        self.adopter: Adopter | None = None
+        self.writer_key = b""
+        self.adopter = Adopter(
+            s.run_id,
+            b"",
+            learner.store,
+            s.learner.checkpoint_dtype,
+            on_adopted=learner.trust.published,
+            log_path=learner.state_dir / "lineage.jsonl",
+        )
         self.steps_led = 0  # versions this learner's data went into
+        self.resyncs = self.takeovers = 0
         self.round_s = 0.0
-        if not self.is_writer:
-            self.adopter = Adopter(
-                s.run_id,
-                self.writer_key,
-                learner.store,
-                s.learner.checkpoint_dtype,
-                on_adopted=learner.trust.published,
-                log_path=learner.state_dir / "lineage.jsonl",
-            )
+        self.state = b""  # sha256 of the float32 weights at the current version
 
-    # ---- start ----
+    @property
+    def is_writer(self) -> bool:
+        return self.writer.active
+
+    # ---- who writes ----
 
     def start(self) -> None:
-        s, l = self.l.settings, self.l
-        if self.is_writer:
-            self.writer = LineageWriter(l.identity, s.run_id, s.learner_keys, self.schema, l.trainer.version)
-            l.node.call(self.writer.attach(l.node))
-            self.published(l.publisher.published_version)  # published at start, before the first step
-            self._log_published(l.trainer.version)
-            log.info("lineage: this learner writes (%d learner keys in the run)", len(s.learner_keys))
-            return
-        self.adopter.keep(l.trainer.version, l.trainer.snapshot(s.learner.checkpoint_dtype, with_state=False))
-        peer = self._find_writer()
-        self.link = LineageLink(l.node, l.identity, s.run_id, self.writer_key, self.schema)
-        self.link.open(peer.peer_id, peer.maddrs, l.trainer.version)
-        for raw in self.link.manifests:
-            self.adopter.adopt(raw)
-        log.info(
-            "lineage: member of %s's lineage at version %d", self.writer_key.hex()[:16], l.trainer.version
-        )
+        l = self.l
+        l.node.call(self.writer.attach(l.node))
+        self.state = state_sha256(l.trainer.named_trainable())
+        self._join_or_write()
 
-    def _find_writer(self):
-        l, end = self.l, time.monotonic() + FIND_WRITER_S
+    def _join_or_write(self, gone: frozenset = frozenset()) -> None:
+        """Join the live writer, or write if none is live and no live learner has a lower key (``gone``:
+        learners known to have left, whose heartbeats may not have expired yet)."""
+        l, s = self.l, self.l.settings
+        started = end = time.monotonic()
+        end += FIND_S
         while l.rt.running() and time.monotonic() < end:
-            found = l.node.call(find_learners(l.node, l.settings.run_id, [self.writer_key]), timeout=30)
-            if found:
-                return found[0]
+            live = [x for x in l.node.call(find_lineage(l.node, s.run_id, s.learner_keys), timeout=30)
+                    if x.address.key != self.key and x.address.key not in gone]  # fmt: skip
+            writing = [x for x in live if x.writes]
+            if writing:
+                try:
+                    self._join(writing[0])
+                    return
+                except (ConnectionError, ProtocolError, TimeoutError) as e:
+                    log.info("lineage: could not join %s: %s", writing[0].address.key.hex()[:16], e)
+            elif not any(x.address.key < self.key for x in live) and (
+                gone or time.monotonic() - started >= ELECT_WAIT_S  # a writer left: no one to wait for
+            ):
+                self._write()
+                return
             l.status.state = "looking for the lineage's writer"
-            l.rt.stop.wait(2.0)
-        raise ConnectionError(
-            f"no heartbeat of the writer {self.writer_key.hex()[:16]} in {FIND_WRITER_S:g} s"
-        )
+            l.rt.stop.wait(1.0)
+        if l.rt.running():
+            raise ConnectionError(f"found no lineage writer to join in {FIND_S:g} s")
+
+    def _write(self) -> None:
+        """Become the writer at this learner's version (after the newest any learner published)."""
+        l, s = self.l, self.l.settings
+        found = l.node.call(latest_manifest(l.node, s.run_id, s.learner_keys), timeout=60)
+        newest = found[1]["version"] if found else -1
+        if newest > l.step:  # a writer that left published further: never sign a version twice
+            l.trainer.renumber(newest)
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+            self.takeovers += 1
+        self.writer.activate(l.step, self.state)
+        self.writer_key = self.key
+        if self.published_version() < l.step:  # samplers need this version before anyone steps
+            l.status.state = f"publishing version {l.step}"
+            l._publish_now(with_state=False)
+            self._log_published(l.step)
+        log.info("lineage: this learner writes, from version %d", l.step)
+
+    def _join(self, writer: LiveLearner) -> None:
+        """Join ``writer``'s lineage: the hellos, its state if this learner's differs, then the manifests
+        published so far (checked)."""
+        l, s = self.l, self.l.settings
+        key = writer.address.key
+        link = LineageLink(l.node, l.identity, s.run_id, key, self.schema)
+        offered = link.open(writer.address.peer_id, writer.address.maddrs, l.step, self.state)
+        if offered is not None:
+            load_state_bytes(l.trainer, offered.version, offered.weights, offered.optimizer)
+            self.state = state_sha256(l.trainer.named_trainable())
+            if self.state != offered.state:
+                raise ProtocolError("the offered weights, loaded, do not hash to the offered state")
+            log.info("lineage: took %s's state at version %d", key.hex()[:16], l.step)
+        if self.link is not None:
+            self.link.close()
+        self.link, self.writer_key, self.adopter.writer_key = link, key, key
+        self.adopter.keep(l.step, l.trainer.snapshot(s.learner.checkpoint_dtype, with_state=False))
+        for raw in link.manifests:
+            self.adopter.adopt(raw)
+        log.info("lineage: member of %s's lineage at version %d", key.hex()[:16], l.step)
 
     def published(self, version: int) -> None:
-        """The writer published ``version``: its manifest goes to every member with their next reply."""
-        if self.writer is not None:
-            raw = self.l.store.manifest(version)
-            if raw is not None:
-                self.writer.add_manifest(version, raw)
+        """This learner published ``version``: its manifest goes to every member with their next reply."""
+        raw = self.l.store.manifest(version)
+        if raw is not None and self.is_writer:
+            self.writer.add_manifest(version, raw)
 
     def published_version(self) -> int:
-        return (
-            self.adopter.published_version if self.adopter is not None else self.l.publisher.published_version
-        )
+        return max(self.adopter.published_version, self.l.publisher.published_version)
 
     # ---- the loop ----
 
@@ -134,25 +183,41 @@ class LineageRole:
             got = l.assembler.take(timeout=TAKE_S)
             l.stats.wait_s += time.perf_counter() - t
             if self.is_writer:
+                self._serve_state()
                 self._write_step(got)
                 continue
             try:
                 self._member_step(got)
-            except (ConnectionError, EOFError) as e:
-                if not l.rt.stop.is_set():
-                    log.error("lineage: the writer is gone (%s); this learner stops", e)
-                    raise
-                return
+            except (ConnectionError, EOFError, ProtocolError, TimeoutError, WeightsDisagree) as e:
+                if l.rt.stop.is_set():
+                    return
+                gone = isinstance(e, (ConnectionError, EOFError, TimeoutError))
+                log.warning("lineage: %s (%s); %s", type(e).__name__, e, "electing" if gone else "resyncing")
+                self.resyncs += not gone
+                self._join_or_write(frozenset({self.writer_key}) if gone else frozenset())
 
     def _wait_for_members(self) -> None:
-        want = set(self.l.settings.learner_keys) - {self.key}
+        """Before the first step: the live learners join (or :data:`START_WAIT_S` passes)."""
+        l, s = self.l, self.l.settings
         end = time.monotonic() + START_WAIT_S
-        while self.l.rt.running() and time.monotonic() < end and not want <= set(self.writer.members()):
-            self.l.status.state = f"waiting for learners ({len(self.writer.members())} of {len(want)} joined)"
-            self.l.rt.stop.wait(0.5)
-        missing = want - set(self.writer.members())
-        if missing:
-            log.warning("lineage: starting without %d listed learner(s) that did not connect", len(missing))
+        while l.rt.running() and time.monotonic() < end:
+            live = l.node.call(find_lineage(l.node, s.run_id, s.learner_keys), timeout=30)
+            want = {x.address.key for x in live} - {self.key}
+            if want <= set(self.writer.members()):
+                return
+            self._serve_state()
+            l.status.state = f"waiting for learners ({len(self.writer.members())} of {len(want)} joined)"
+            l.rt.stop.wait(0.5)
+
+    def _serve_state(self) -> None:
+        """A joining learner waits for this writer's state: a snapshot between two steps."""
+        if not self.writer.state_wanted():
+            return
+        l = self.l
+        snap = l.trainer.snapshot(l.settings.learner.checkpoint_dtype, with_state=True)
+        named = [(n, snap.model_state[n]) for n, _ in l.trainer.named_trainable()]
+        weights, optimizer = state_bytes(named, snap.optimizer_state)
+        self.writer.offer_state(snap.version, self.state, weights, optimizer)
 
     def _own_part(self, got: Assembled | None):
         """This learner's batches (less banned authors'), their gradient, stats and tokens; or Nones."""
@@ -195,16 +260,20 @@ class LineageRole:
         publish = due and l.publisher.idle()
         fields = {
             "version": version,
-            "parent_state": state_sha256(l.trainer.named_trainable()),
+            "parent_state": self.state,
             "applied": applied,
             "tokens": sum(n for _, n, _, _ in combined),
             "lr_scale": lr_scale,
             "grad_sha256": sha,
             "publish": publish,
         }
+        # marked before the commit goes out: a writer killed in between loses these batches, never trains
+        # them twice (its restart replays only batches never marked)
+        l.ledger.mark_applied([b.batch_id for b in batches], version)
         self.writer.commit(fields, data)
         l.trainer.apply(gradient, lr_scale)
-        l.ledger.mark_applied([b.batch_id for b in batches], version)
+        self.state = state_sha256(l.trainer.named_trainable())
+        self.writer.set_state(version, self.state)
         l.stats.train_s += time.perf_counter() - t
         self.round_s = (
             0.8 * self.round_s + 0.2 * (time.perf_counter() - t) if self.round_s else time.perf_counter() - t
@@ -231,28 +300,30 @@ class LineageRole:
             "grad_sha256": sha or b"",
         }
         l.status.state = f"waiting for the writer (step {l.step + 1})"
-        kind, reply, gradient = self.link.exchange(encode("Contribution", body, l.identity), data)
+        try:
+            kind, reply, gradient = self.link.exchange(encode("Contribution", body, l.identity), data)
+        except BaseException:
+            for b in batches:  # not in any commit this learner heard of: the next step takes them
+                l.buffer.put(b)
+            raise
         for raw in reply["manifests"]:
             self.adopter.adopt(raw)
         if kind == "LineageWait":
             return
         version = reply["version"]
-        if version != l.step + 1:
-            raise WeightsDisagree(
-                f"the writer's commit is for version {version}, this learner is at {l.step}"
-            )
-        if reply["parent_state"] != state_sha256(l.trainer.named_trainable()):
-            self.adopter.mismatched += 1
-            raise WeightsDisagree(
-                f"this learner's weights at version {l.step} are not the writer's (state hash)"
-            )
+        if version != l.step + 1 or reply["parent_state"] != self.state:
+            for b in batches:
+                l.buffer.put(b)
+            self.adopter.mismatched += reply["parent_state"] != self.state
+            raise WeightsDisagree(f"the writer's commit {version} is not on this learner's version {l.step}")
         mine = {bytes(i) for a in reply["applied"] if a["learner"] == self.key for i in a["batch_ids"]}
-        l.trainer.apply(gradient, reply["lr_scale"])
         used = [b for b in batches if b.batch_id in mine]
+        l.ledger.mark_applied([b.batch_id for b in used], version)  # the lineage holds them now
+        l.trainer.apply(gradient, reply["lr_scale"])
+        self.state = state_sha256(l.trainer.named_trainable())
         for b in batches:
             if b.batch_id not in mine:  # the step closed without this part: the next one takes it
                 l.buffer.put(b)
-        l.ledger.mark_applied([b.batch_id for b in used], version)
         if reply["publish"]:
             self.adopter.keep(version, l.trainer.snapshot(s.learner.checkpoint_dtype, with_state=False))
         l.stats.train_s += time.perf_counter() - t
@@ -267,14 +338,18 @@ class LineageRole:
         l = self.l
         self.steps_led += bool(batches)
         row = l.stats.updated(version, batches, {**stats, "lineage/parts": parts})
-        l.rt.append_jsonl("metrics.jsonl", {**row, **(l.evaluate_now() if self.is_writer else {})})
+        l.rt.append_jsonl("metrics.jsonl", {**row, **(evaluate_if_due(l) if self.is_writer else {})})
 
     # ---- what it did ----
 
     def stats(self) -> dict[str, float]:
-        out = {"lineage/writer": float(self.is_writer), "lineage/steps_with_my_data": self.steps_led}
-        if self.writer is not None:
-            out.update(self.writer.stats())
+        out = {
+            "lineage/writer": float(self.is_writer),
+            "lineage/steps_with_my_data": self.steps_led,
+            "lineage/resyncs": self.resyncs,
+            "lineage/takeovers": self.takeovers,
+            **self.writer.stats(),
+        }
         if self.link is not None:
             out.update(
                 {

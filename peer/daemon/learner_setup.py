@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -113,6 +114,37 @@ def resume(trainer: TrainerLike, settings: RunSettings, state_dir: Path, store) 
         trainer.renumber(newest)
     drop_rows_after(state_dir / "metrics.jsonl", "step", saved)  # updates after the save: redone
     return saved
+
+
+def require_learner_key(key: bytes, settings: RunSettings) -> None:
+    """PermissionError unless ``key`` is one of the run's learner keys."""
+    if key not in settings.learner_keys:
+        raise PermissionError(
+            f"this peer's key {key.hex()} is not among the run's learner keys; "
+            "list it in run.toml's learner_keys"
+        )
+
+
+def evaluate_if_due(learner) -> dict[str, float]:
+    """Score ``learner``'s current version's checkpoint weights on the held-out prompts if an evaluation is
+    due (every ``eval_every`` updates); it goes into the metrics row and every heartbeat until the next."""
+    every, step = learner.settings.learner.eval_every, learner.step
+    if learner.evaluate is None or step == 0 or step % every != 0:
+        return {}
+    t = time.perf_counter()
+    learner.status.state = f"evaluating (step {step})"
+    snap = learner.trainer.snapshot(learner.settings.learner.checkpoint_dtype, with_state=False)
+    scores = learner.evaluate.of_weights(learner.replica, snap.weights, tag=("eval", snap.version))
+    learner.stats.last_eval = ev = {**scores, "eval/step": float(step)}
+    learner.stats.train_s += time.perf_counter() - t
+    log.info(
+        "held-out eval at step %d: sampled %.3f, greedy %.3f (%.1f s)",
+        step,
+        ev["eval/sampled"],
+        ev["eval/greedy"],
+        ev["eval/time_s"],
+    )
+    return ev
 
 
 def warn_if_unbounded_staleness(settings: RunSettings) -> None:

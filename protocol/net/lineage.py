@@ -12,6 +12,13 @@ Why not hivemind's averager: its groups are not authenticated (any peer with the
 records are unsigned (our validator refuses them), and each peer adds (average - own) to its own copy, which
 leaves replicas an ulp apart. What is ours here is a star gather and broadcast on hivemind's P2P streams.
 
+Leave and join. A member that leaves (its stream ends, or it stops contributing) is left out of the next
+step; a writer that leaves is replaced by the lowest live key among the others (``find_lineage`` reads who
+writes from the learners' heartbeats). A learner that joins at another version, or whose weights hash
+otherwise, gets a StateOffer: the writer's weights and optimiser state at a step boundary, two hashed frames,
+loaded before it contributes. A member a few steps behind is sent the commits it missed, in order (the
+writer keeps the last :data:`HISTORY`).
+
 Trust, per stream: the first frame each way is a signed LineageHello naming the sender's libp2p peer id,
 which the stream authenticates, so the Ed25519 key is bound to the connection; the key must be one of the
 run's learner keys, the run id and the parameter schema the writer's, the version the writer's. Every later
@@ -26,16 +33,19 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
 
+from heterorl.protocol.net.dht import peers_key
 from heterorl.protocol.net.framing import FrameError, read_frame, write_frame
 from heterorl.protocol.net.node import Node
+from heterorl.protocol.net.trajectories import LearnerAddress
 from heterorl.protocol.wire.errors import ProtocolError
 from heterorl.protocol.wire.gradients import Schema, decode_gradient, gradient_frame_cap, schema_sha256
 from heterorl.protocol.wire.identity import Identity
-from heterorl.protocol.wire.messages import MAX_MESSAGE_BYTES, decode, encode
+from heterorl.protocol.wire.messages import MAX_MESSAGE_BYTES, decode, encode, unpack_stats
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +55,9 @@ CONTRIBUTION_MAX_BYTES = 1 << 20  # a signed Contribution: up to 4096 batch ids
 IDLE_S = 1.0  # a member with nothing to contribute hears LineageWait after this, and contributes again
 STREAM_IDLE_S = 600.0  # a member's next frame, a commit: a step of a real model on a slow learner is minutes
 MANIFESTS_KEPT = 8  # the newest manifests the writer holds for members that have not had them
+HISTORY = 4  # commits the writer keeps (with their gradient bytes) for a member that fell behind
+STATE_TIMEOUT_S = 300.0  # a state offer: the writer's snapshot, then two frames of the model's size
+FRESH_S = 10.0  # a learner's heartbeat younger than this: it is live (heartbeats come every 2 s)
 
 
 class LineageRefused(ProtocolError):
@@ -72,16 +85,52 @@ class _Round:
 
 
 def _hello(
-    identity: Identity, run_id: str, peer_id: str, to_peer_id: str, schema: Schema, version: int
+    identity: Identity, run_id: str, peer_id: str, to: str, schema: Schema, version: int, state: bytes
 ) -> bytes:
     body = {
         "run_id": run_id,
         "peer_id": peer_id,
-        "to_peer_id": to_peer_id,
+        "to_peer_id": to,
         "schema": schema_sha256(schema),
         "version": version,
+        "state": state,
     }
     return encode("LineageHello", body, identity)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveLearner:
+    """A learner of the run whose heartbeat is fresh, and whether it says it writes the lineage."""
+
+    address: LearnerAddress
+    writes: bool
+    version: int
+
+
+async def find_lineage(node: Node, run_id: str, learner_keys) -> list[LiveLearner]:
+    """The run's learners with a heartbeat younger than :data:`FRESH_S`, lowest key first."""
+    allowed, now = set(learner_keys), time.time()
+    out = {}
+    for r in await node.lookup(peers_key(run_id)):
+        b = r.body
+        if r.kind != "Heartbeat" or b["role"] != "learner" or r.author not in allowed:
+            continue
+        if now - b["timestamp"] > FRESH_S:
+            continue
+        stats = unpack_stats(b["stats"])
+        address = LearnerAddress(r.author, b["peer_id"], tuple(b["maddrs"]))
+        out[r.author] = LiveLearner(address, stats.get("lineage/writer", 0.0) == 1.0, b["policy_version"])
+    return [out[k] for k in sorted(out)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Offered:
+    """A writer's state, as a joining learner received it (checked against the signed hashes)."""
+
+    version: int
+    state: bytes
+    weights: bytes
+    optimizer: bytes
 
 
 class LineageWriter:
@@ -89,26 +138,50 @@ class LineageWriter:
     :meth:`attach`; the training thread drives the rounds with :meth:`wait_for_data`, :meth:`gather` and
     :meth:`commit`, and hands over each published manifest with :meth:`add_manifest`."""
 
-    def __init__(self, identity: Identity, run_id: str, learner_keys, schema: Schema, version: int):
+    def __init__(self, identity: Identity, run_id: str, learner_keys, schema: Schema):
+        """Attached by every learner of a lineage; refuses members until :meth:`activate` (it writes)."""
         self.identity, self.run_id, self.schema = identity, run_id, schema
         self.allowed = set(learner_keys) - {identity.public_key}
         self._cap = gradient_frame_cap(schema)
         self._node: Node | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
-        self._version = version
+        self.active = False
+        self._version, self._state = 0, b""  # the lineage's version and its state hash (the next parent)
         self._round: _Round | None = None
-        self._last: tuple[int, tuple] | None = None  # (parent version, commit) for a member just behind
-        self._members: dict[bytes, int] = {}  # connected member -> newest manifest version it has had
+        self._history: collections.deque[tuple[int, tuple]] = collections.deque(maxlen=HISTORY)
+        self._had: dict[bytes, int] = {}  # connected learner -> newest manifest version it has had
+        self._members: set[bytes] = set()  # learners that contributed since they connected: waited for
+        self._state_wanted: list[asyncio.Future] = []  # joiners waiting for the writer's state
         self._manifests: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=MANIFESTS_KEPT)
         self.refused: collections.Counter[str] = collections.Counter()
         self.bytes_received = self.bytes_sent = 0
 
     async def attach(self, node: Node) -> None:
         self._node, self._loop = node, asyncio.get_running_loop()
-        with self._cond:
-            self._round = self._new_round()
         await node.add_handler(PROTOCOL, self.handle)
+
+    def activate(self, version: int, state: bytes) -> None:
+        """This learner writes from ``version`` (whose weights hash to ``state``) on."""
+        with self._cond:
+            self._version, self._state, self.active = version, state, True
+            self._round = self._new_round()
+
+    def set_state(self, version: int, state: bytes) -> None:
+        """The writer applied the step to ``version``: its weights now hash to ``state``."""
+        with self._cond:
+            self._version, self._state = version, state
+
+    def state_wanted(self) -> bool:
+        with self._cond:
+            return bool(self._state_wanted)
+
+    def offer_state(self, version: int, state: bytes, weights: bytes, optimizer: bytes) -> None:
+        """The training thread's answer to :meth:`state_wanted`: its state between two steps."""
+        with self._cond:
+            waiting, self._state_wanted = self._state_wanted, []
+        for fut in waiting:
+            self._node.call_soon(_resolve, fut, (version, state, weights, optimizer))
 
     def _new_round(self) -> _Round:  # under the lock
         return _Round(self._version, self._loop.create_future())
@@ -116,8 +189,9 @@ class LineageWriter:
     # ---- the training thread ----
 
     def members(self) -> list[bytes]:
+        """Learners connected to this writer."""
         with self._cond:
-            return sorted(self._members)
+            return sorted(self._had)
 
     def wait_for_data(self, timeout: float) -> bool:
         """Whether a member's contribution with tokens is in the round (waits up to ``timeout`` for one)."""
@@ -140,7 +214,7 @@ class LineageWriter:
         publish) and the ``gradient`` bytes to every member waiting; the next round opens at its version."""
         with self._cond:
             done = self._round
-            self._last = (done.version, (fields, gradient))
+            self._history.append((done.version, (fields, gradient)))
             self._version = fields["version"]
             self._round = self._new_round()
             self._cond.notify_all()
@@ -159,7 +233,7 @@ class LineageWriter:
     def stats(self) -> dict[str, float]:
         with self._cond:
             return {
-                "lineage/members": len(self._members),
+                "lineage/members": len(self._had),
                 "lineage/refused": sum(self.refused.values()),
                 "lineage/bytes_received": self.bytes_received,
                 "lineage/bytes_sent": self.bytes_sent,
@@ -179,7 +253,8 @@ class LineageWriter:
             await self._refuse(writer, member.hex()[:16], str(e))
         finally:
             with self._cond:
-                self._members.pop(member, None)
+                self._had.pop(member, None)
+                self._members.discard(member)
                 self._cond.notify_all()
 
     async def _greet(self, remote: str, reader, writer) -> bytes:
@@ -196,21 +271,41 @@ class LineageWriter:
                 "another model: its parameters' names, shapes or dtype differ from the writer's"
             )
         with self._cond:
-            version = self._version
-        if body["version"] != version:
-            raise ProtocolError(
-                f"at version {body['version']}, the lineage at {version}: joining at another version "
-                "(a state transfer) is not supported yet"
-            )
-        await write_frame(
-            writer, _hello(self.identity, self.run_id, self._node.peer_id, remote, self.schema, version)
-        )
+            if not self.active:
+                raise ProtocolError("this learner does not write the lineage")
+            version, state = self._version, self._state
+        offer = None
+        if (body["version"], body["state"]) != (version, state):  # its state is not the lineage's: ours
+            fut = self._loop.create_future()
+            with self._cond:
+                self._state_wanted.append(fut)
+            version, state, weights, optimizer = await asyncio.wait_for(fut, STATE_TIMEOUT_S)
+            offer = (version, state, weights, optimizer)
+        hello = _hello(self.identity, self.run_id, self._node.peer_id, remote, self.schema, version, state)
+        await write_frame(writer, hello)
+        if offer is not None:
+            _, state, weights, optimizer = offer
+            fields = {
+                "run_id": self.run_id,
+                "version": version,
+                "state": state,
+                "weights_sha256": hashlib.sha256(weights).digest(),
+                "optimizer_sha256": hashlib.sha256(optimizer).digest(),
+            }
+            await write_frame(writer, encode("StateOffer", fields, self.identity))
+            await write_frame(writer, weights)
+            await write_frame(writer, optimizer)
+            self.bytes_sent += len(weights) + len(optimizer)
         with self._cond:
-            self._members[author] = -1
-            self._cond.notify_all()
+            self._had[author] = -1
         # then the manifests it has to check before it takes batches of those versions (version 0's at least)
         await write_frame(writer, self._message(author, "LineageWait", {"version": version}))
-        log.info("learner %s joined the lineage at version %d", author.hex()[:16], version)
+        log.info(
+            "learner %s joined the lineage at version %d%s",
+            author.hex()[:16],
+            version,
+            " (sent it this state)" if offer else "",
+        )
         return author
 
     async def _serve(self, member: bytes, reader, writer) -> None:
@@ -230,6 +325,9 @@ class LineageWriter:
                 self.bytes_received += len(data)
             part = Contributed(member, body["version"], list(body["batch_ids"]), body["tokens"],
                                body["lr_scale"], grads)  # fmt: skip
+            with self._cond:
+                self._members.add(member)  # waited for from its first contribution on
+                self._cond.notify_all()
             reply = await self._enter(part)
             if reply is None:  # nothing to give and no round closed meanwhile
                 await write_frame(writer, self._message(member, "LineageWait", {"version": part.version}))
@@ -241,15 +339,19 @@ class LineageWriter:
 
     async def _enter(self, part: Contributed):
         """Put ``part`` in its round and wait for that round's commit (None: an empty part that waited
-        :data:`IDLE_S` with no round closing, withdrawn)."""
+        :data:`IDLE_S` with no round closing, withdrawn). A part for a version the lineage has passed gets
+        the commit from that version at once (without the part): the member catches up step by step."""
         with self._cond:
-            if self._last is not None and part.version == self._last[0]:
-                return self._last[1]  # the round closed before this arrived: its commit, without this part
             rnd = self._round
+            if not self.active or rnd is None:
+                raise ProtocolError("this learner no longer writes the lineage")
             if part.version != rnd.version:
-                raise ProtocolError(
-                    f"a contribution for version {part.version}, the lineage is at {rnd.version}"
-                )
+                missed = next((c for v, c in self._history if v == part.version), None)
+                if missed is None:
+                    raise ProtocolError(
+                        f"a contribution for version {part.version}, the lineage is at {rnd.version}"
+                    )
+                return missed
             if not rnd.closing:
                 rnd.parts[part.learner] = part
                 self._cond.notify_all()
@@ -259,20 +361,18 @@ class LineageWriter:
             return await asyncio.wait_for(asyncio.shield(rnd.future), IDLE_S)
         except TimeoutError:
             with self._cond:
-                if rnd.closing:
-                    pass  # the round closed with this part in it: its commit follows
-                else:
+                if not rnd.closing:
                     rnd.parts.pop(part.learner, None)
                     return None
-            return await rnd.future
+            return await rnd.future  # the round closed with this part in it: its commit follows
 
     def _message(self, member: bytes, kind: str, fields: dict) -> bytes:
         """``fields`` with the manifests ``member`` has not had, signed."""
         with self._cond:
-            had = self._members.get(member, -1)
+            had = self._had.get(member, -1)
             new = [(v, raw) for v, raw in self._manifests if v > had]
             if new:
-                self._members[member] = new[-1][0]
+                self._had[member] = new[-1][0]
         return encode(
             kind, {**fields, "run_id": self.run_id, "manifests": [raw for _, raw in new]}, self.identity
         )
@@ -304,26 +404,45 @@ class LineageLink:
         self.manifests: list[bytes] = []
         self.bytes_sent = self.bytes_received = 0
 
-    def open(self, peer_id: str, maddrs, version: int, timeout: float = 30.0) -> None:
-        self.node.call(self._open(peer_id, maddrs, version), timeout=timeout)
+    def open(self, peer_id: str, maddrs, version: int, state: bytes, timeout: float = STATE_TIMEOUT_S):
+        """The hellos with the writer at ``peer_id``; the writer's :class:`Offered` state when this learner's
+        (``version``, weights hashing to ``state``) is not the lineage's, else None."""
+        return self.node.call(self._open(peer_id, maddrs, version, state), timeout=timeout)
 
-    async def _open(self, peer_id: str, maddrs, version: int) -> None:
+    async def _open(self, peer_id: str, maddrs, version: int, state: bytes) -> Offered | None:
         reader, writer = await self.node.open_stream(peer_id, PROTOCOL, maddrs)
+        me = self.node.peer_id
         await write_frame(
-            writer, _hello(self.identity, self.run_id, self.node.peer_id, peer_id, self.schema, version)
+            writer, _hello(self.identity, self.run_id, me, peer_id, self.schema, version, state)
         )
-        frame = await read_frame(reader, MAX_MESSAGE_BYTES, 30.0)
+        frame = await read_frame(reader, MAX_MESSAGE_BYTES, STATE_TIMEOUT_S)
         kind, body, author = decode(frame, run_id=self.run_id)
         self._check_writer(kind, body, author, "LineageHello")
-        if body["peer_id"] != peer_id or body["to_peer_id"] != self.node.peer_id:
+        if body["peer_id"] != peer_id or body["to_peer_id"] != me:
             raise ProtocolError("the writer's hello names other peers than this stream's")
-        if body["schema"] != schema_sha256(self.schema) or body["version"] != version:
-            raise ProtocolError("the writer's hello is for another model or version")
+        if body["schema"] != schema_sha256(self.schema):
+            raise ProtocolError("the writer's hello is for another model")
+        offered = None
+        if (body["version"], body["state"]) != (version, state):
+            frame = await read_frame(reader, MAX_MESSAGE_BYTES, STATE_TIMEOUT_S)
+            kind, offer, author = decode(frame, run_id=self.run_id)
+            self._check_writer(kind, offer, author, "StateOffer")
+            weights = await read_frame(reader, self._cap, STATE_TIMEOUT_S)
+            optimizer = await read_frame(reader, 2 * self._cap, STATE_TIMEOUT_S)
+            if hashlib.sha256(weights).digest() != offer["weights_sha256"]:
+                raise ProtocolError("the offered weights do not hash to the signed weights_sha256")
+            if hashlib.sha256(optimizer).digest() != offer["optimizer_sha256"]:
+                raise ProtocolError(
+                    "the offered optimiser state does not hash to the signed optimizer_sha256"
+                )
+            offered = Offered(offer["version"], offer["state"], weights, optimizer)
+            self.bytes_received += len(weights) + len(optimizer)
         frame = await read_frame(reader, MAX_MESSAGE_BYTES, 30.0)
         kind, body, author = decode(frame, run_id=self.run_id)
         self._check_writer(kind, body, author, "LineageWait")
         self.manifests = list(body["manifests"])  # published before this member joined: to check now
         self._stream = (reader, writer)
+        return offered
 
     def _check_writer(self, kind: str, body: dict, author: bytes, expected: tuple | str) -> None:
         if kind == "LineageRefuse":

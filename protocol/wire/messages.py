@@ -158,6 +158,18 @@ SCHEMAS: dict[str, s.Check] = {
             "to_peer_id": _peer_id,
             "schema": s.binary(HASH_BYTES, HASH_BYTES),  # sha256 of the parameters' names, shapes, dtypes
             "version": s.integer(0, 1 << 53),
+            "state": s.binary(HASH_BYTES, HASH_BYTES),  # sha256 of its float32 weights at that version
+        }
+    ),
+    # the writer's state at ``version``, for a learner that joins at another version or with other weights:
+    # two frames follow, float32 weights and optimiser state (safetensors), hashing to the fields below
+    "StateOffer": s.record(
+        {
+            "run_id": _run_id,
+            "version": s.integer(0, 1 << 53),
+            "state": s.binary(HASH_BYTES, HASH_BYTES),  # what the weights hash to once loaded (state_sha256)
+            "weights_sha256": s.binary(HASH_BYTES, HASH_BYTES),
+            "optimizer_sha256": s.binary(HASH_BYTES, HASH_BYTES),
         }
     ),
     # a learner's gradient on version ``version`` (the next frame: safetensors of float32 tensors, hashing
