@@ -121,3 +121,32 @@ def test_two_learners_applying_the_same_bytes_stay_bit_identical_at_1_and_2_thre
             torch.testing.assert_close(p, q, rtol=0, atol=1e-7, msg=n)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_joining_learner_takes_the_writers_weights_and_adamw_state_and_steps_identically():
+    """state_bytes → load_state_bytes: the joiner's weights hash as the writer's, and the next step on the
+    same gradient leaves both bit-identical (the optimiser's moments and step came across). What does not fit
+    the model is refused."""
+    from heterorl.peer.learner.state_transfer import load_state_bytes, state_bytes
+    from heterorl.protocol import ProtocolError
+
+    writer, joiner = Trainer(model(0), options(), pad_id=0), Trainer(model(1), options(), pad_id=0)
+    for step in range(2):
+        g, _ = writer.gradients(rows_from_batches(buffered(2, version=step), pad_id=0))
+        writer.apply(combine_gradients([(b"\x01" * 32, 1, g)], max_norm=1.0)[0])
+    snap = writer.snapshot("float32", with_state=True)
+    named = [(n, snap.model_state[n]) for n, _ in writer.named_trainable()]
+    weights, optimizer = state_bytes(named, snap.optimizer_state)
+    load_state_bytes(joiner, snap.version, weights, optimizer)
+    assert joiner.version == writer.version == 2
+    assert state_sha256(joiner.named_trainable()) == state_sha256(writer.named_trainable())
+    g, _ = writer.gradients(rows_from_batches(buffered(3, version=2), pad_id=0))
+    step, _ = combine_gradients([(b"\x01" * 32, 1, g)], max_norm=1.0)
+    writer.apply(step)
+    joiner.apply(step)
+    assert state_sha256(joiner.named_trainable()) == state_sha256(writer.named_trainable())
+    other = Trainer(model(0, hidden=64), options(), pad_id=0)
+    with pytest.raises(ProtocolError, match="shape|float32|parameters"):
+        load_state_bytes(other, 2, weights, optimizer)
+    with pytest.raises(ProtocolError, match="safetensors"):
+        load_state_bytes(joiner, 2, b"garbage", optimizer)

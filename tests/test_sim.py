@@ -12,7 +12,7 @@ import pytest
 
 from heterorl.protocol.wire.checkpoint import CHUNK_BYTES
 from heterorl.sim.config import SimConfig
-from heterorl.sim.engine import Simulation
+from heterorl.sim.engine import Simulation, spread_samplers
 from heterorl.sim.fleet import DEFAULT_FLEET, HardwareClass, draw_peers, load_fleet
 from heterorl.sim.wire import chunk_lengths, manifest_bytes, synthetic_manifest, trajectory_batch_bytes
 
@@ -36,8 +36,9 @@ def _books_balance(sim: Simulation, r: dict) -> None:
     queued = sum(len(s.outbox) for s in sim.samplers)
     assert c["batches_generated"] == c.get("batches_accepted", 0) + c.get("batches_refused_stale", 0) + queued
     per_update = sim.cfg.prompts_per_update // sim.cfg.prompts_per_batch
-    assert c.get("batches_accepted", 0) == c["updates"] * per_update + len(sim.buffer) + len(sim.in_update)
-    assert sum(sim.stale.values()) == c["updates"] * per_update
+    held = sum(len(ln.buffer) + len(ln.in_update) for ln in sim.learners)
+    assert c.get("batches_accepted", 0) == sim.parts * per_update + held  # parts: updates, one per learner
+    assert sum(sim.stale.values()) == sim.parts * per_update
 
 
 @pytest.mark.fast
@@ -171,6 +172,101 @@ def test_cli_prints_a_table_and_writes_json(tmp_path):
         cmd[:-2] + ["--fleet", str(tmp_path / "missing.json")], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "error" in bad.stdout
+
+
+@pytest.mark.fast
+def test_one_learner_has_no_exchange_and_ignores_the_learner_link():
+    r = _sim(samplers=30).run()
+    same = _sim(samplers=30, learner_link_bytes_per_s=1.0, learner_rtt_s=9.0).run()
+    assert r["counts"] == same["counts"] and r["staleness"] == same["staleness"]
+    lr = r["learners"]
+    assert lr["count"] == 1 and lr["updates_per_version"] == 1.0
+    assert lr["exchange_bytes_per_version"] == 0 and lr["rounds"]["exchanging"] == 0
+    assert lr["per_learner"][0]["in_round_waiting"] == 0 and lr["per_learner"][0]["samplers"] == 30
+    assert lr["per_learner"][0]["computing"] == pytest.approx(r["learner"]["training"])
+    assert r["trajectories_per_s"] == pytest.approx(lr["per_learner"][0]["rows_per_s"])
+    with pytest.raises(ValueError, match="learners must lie in"):
+        SimConfig(learners=0)
+    with pytest.raises(ValueError, match="learners must lie in"):
+        SimConfig(learners=65)
+
+
+@pytest.mark.fast
+def test_samplers_spread_over_learners_by_rendezvous_hashing():
+    from heterorl.protocol.net.trajectories import LearnerAddress, rendezvous_order
+
+    spread = spread_samplers(1000, 4)
+    assert spread == spread_samplers(1000, 4) and spread_samplers(7, 1) == [0] * 7
+    assert all(200 <= spread.count(j) <= 300 for j in range(4))
+    learners = [LearnerAddress(j.to_bytes(32, "big"), f"l{j}", ()) for j in range(4)]
+    assert rendezvous_order((5).to_bytes(32, "big"), learners)[0].key[-1] == spread[5]
+    # a sampler keeps its learner when another one joins, unless the new one comes first for it
+    five = spread_samplers(1000, 5)
+    assert all(b in (a, 4) for a, b in zip(spread, five, strict=True))
+
+
+@pytest.mark.fast
+def test_learner_peers_train_more_rows_when_the_learner_is_the_bottleneck():
+    one_sim = _sim(samplers=30)
+    one = one_sim.run()
+    two_sim = _sim(samplers=30, learners=2)
+    two = two_sim.run()
+    assert one["learner"]["training"] + one["learner"]["publishing"] > 0.95  # the learner is the limit
+    # each version trains on both learners' updates; a round costs one update plus a 0.2 s exchange
+    assert two["learners"]["updates_per_version"] > 1.9
+    assert two["trajectories_per_s"] > 1.5 * one["trajectories_per_s"]
+    assert two["updates_per_h"] < one["updates_per_h"]  # versions come slower: each waits for the exchange
+    per = two["learners"]["per_learner"]
+    assert all(x["samplers"] > 5 for x in per) and sum(x["samplers"] for x in per) == 30
+    # each computes 40-45 % of the time, waits 5 % in a round (the slower one, the exchange), and pauses
+    # while the writer publishes (3 s after every 2.6 s update): the rest
+    for x in per:
+        assert 0.4 < x["computing"] < 0.47 and 0.03 < x["in_round_waiting"] < 0.07
+        assert x["computing"] + x["in_round_waiting"] + two["learner"]["publishing"] <= 1 + 1e-9
+    assert sum(x["rows_per_s"] for x in per) == pytest.approx(two["trajectories_per_s"])
+    _books_balance(one_sim, one)
+    _books_balance(two_sim, two)
+    # through a slow writer's link (a 100 MB gradient, twice, at 20 MB/s: 10 s a version) two learners
+    # train fewer rows per second than one
+    slow = _sim(samplers=30, learners=2, learner_link_bytes_per_s=2e7).run()
+    assert slow["trajectories_per_s"] < one["trajectories_per_s"]
+    assert slow["learners"]["rounds"]["exchanging"] > 0.6
+
+
+@pytest.mark.fast
+def test_the_writer_moves_two_gradients_per_member_and_version():
+    for n in (2, 3):
+        sim = _sim(samplers=30, learners=n, warmup_h=0.05)
+        r = sim.run()
+        lr, g = r["learners"], sim.cfg.gradient_bytes
+        assert g == 2 * sim.cfg.model_bytes  # float32, 4 bytes a parameter of a bf16 checkpoint
+        # every learner has an update in every round: (N - 1) gradients in, (N - 1) out
+        assert lr["updates_per_version"] == n
+        assert lr["exchange_bytes_per_version"] == 2 * (n - 1) * g
+        assert lr["exchange_s_per_version"] == pytest.approx(2 * (n - 1) * g / 1.25e9 + 0.05)
+    # short of data, a member without an update sends nothing but still gets the commit
+    sim = _sim(fleet=(HardwareClass("cpu", 1.0, 400, 100, 20, 50, math.inf, 1.0),), samplers=6, learners=3)
+    r = sim.run()
+    lr, g, versions = r["learners"], sim.cfg.gradient_bytes, r["counts"]["updates"]
+    members = sum(ln.parts for ln in sim.learners[1:])
+    assert r["learner"]["waiting"] > 0.3 and lr["updates_per_version"] < 2.5
+    assert lr["exchange_bytes_per_version"] * versions == (versions * 2 + members) * g
+    assert 2 * g <= lr["exchange_bytes_per_version"] < 4 * g
+    _books_balance(sim, r)
+
+
+def test_cli_learners_table(tmp_path):
+    out = tmp_path / "sim.json"
+    cmd = [sys.executable, "-m", "heterorl.cli", "simulate", "--samplers", "12", "--learners", "1", "2"]
+    cmd += ["--hours", "0.1", "--warmup-h", "0.02", "--model-bytes", "1e8", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| samplers | learners | versions/h | rows trained/s" in done.stdout
+    assert "| 12 | 2 |" in done.stdout and "12 samplers, 2 learners (" in done.stdout
+    results = json.loads(out.read_text())
+    assert [r["config"]["learners"] for r in results] == [1, 2]
+    bad = subprocess.run(cmd[:-2] + ["--learners", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "learners must lie in" in bad.stdout
 
 
 def _bench_json(tmp_path, models: dict):

@@ -1,7 +1,10 @@
-"""The swarm across "hosts": coordinator, learner and samplers each in their own network namespace.
+"""The swarm across "hosts": coordinator, two learners (one lineage) and samplers each in their own network
+namespace.
 
 They reach each other only through their 10.X.0.N addresses on a bridge the test makes (no loopback between
-them). One sampler's link is cut for a while and restored: it must rejoin and its queued batches must arrive.
+them). The learners train one lineage across hosts and agree at every version; each sampler sticks to its own
+learner. One sampler's link is cut for a while and restored: it must rejoin and its queued batches must
+arrive.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 import pytest
 
 from heterorl.protocol import load_or_create_identity
+from heterorl.protocol.storage.jsonlog import read_rows
 from heterorl.testing import netns
 from heterorl.testing.swarm import Swarm
 
@@ -46,13 +50,16 @@ def _netns_support():
 
 
 def test_swarm_across_namespaces_survives_a_cut_link(tmp_path, tiny_model_dir):
-    with netns.Lan(["coord", "learner", "s0", "s1"]) as lan:
-        swarm = Swarm(tmp_path / "swarm", tiny_model_dir)
+    with netns.Lan(["coord", "learner", "learner2", "s0", "s1"]) as lan:
+        swarm = Swarm(tmp_path / "swarm", tiny_model_dir, learners=2)
         try:
             here = {h: ["--host-maddrs", f"/ip4/{lan.addr(h)}/tcp/0"] for h in lan.hosts}
             ready = swarm.start_coordinator(*here["coord"], wrap=lan.wrap("coord"))
             assert all(f"/ip4/{lan.addr('coord')}/" in m for m in ready["maddrs"])
-            swarm.start_learner(*here["learner"], wrap=lan.wrap("learner"))
+            swarm.start_learner(*here["learner"], wrap=lan.wrap("learner"), index=0)
+            swarm.start_learner(*here["learner2"], wrap=lan.wrap("learner2"), index=1)
+            swarm.sampler_key_for("s0", 1)  # s0 sends to the second learner, s1 to the first (metrics())
+            swarm.sampler_key_for("s1", 0)
             swarm.start_sampler("s0", *here["s0"], wrap=lan.wrap("s0"))
             swarm.start_sampler("s1", *here["s1"], wrap=lan.wrap("s1"))
             s1_key = load_or_create_identity(swarm.root / "s1" / "peer.key")[0].public_key.hex()[:16]
@@ -84,10 +91,14 @@ def test_swarm_across_namespaces_survives_a_cut_link(tmp_path, tiny_model_dir):
                 assert status.returncode == 0, status.stderr[-3000:]
                 snap = json.loads(status.stdout)
                 roles = sorted(p["role"] for p in snap["peers"] if p["alive"])
-                if roles == ["learner", "sampler", "sampler"]:
+                if roles == ["learner", "learner", "sampler", "sampler"]:
                     break
-            assert roles == ["learner", "sampler", "sampler"], snap["peers"]
+            assert roles == ["learner", "learner", "sampler", "sampler"], snap["peers"]
             log = (swarm.root / "s1" / "sampler.log").read_text()
             assert "not delivered" in log  # it did notice the cut
         finally:
             swarm.close()
+    checks = [r for d in swarm.learner_dirs for r in read_rows(d / "lineage.jsonl") if "agree" in r]
+    assert len(checks) >= 10 and all(r["agree"] for r in checks), checks  # one lineage across hosts
+    s0_key = load_or_create_identity(swarm.root / "s0" / "peer.key")[0].public_key.hex()[:16]
+    assert any(s0_key in r["authors"] for r in swarm.metrics(1))  # the second learner trained too

@@ -37,6 +37,21 @@ def learner_dirs_of(out: Path, n: int) -> list[Path]:
     return dirs
 
 
+def key_for_learner(sampler_dir: Path, learner_keys: list[bytes], index: int) -> None:
+    """Give the sampler in ``sampler_dir`` a key whose first choice of learner (rendezvous hashing) is
+    ``learner_keys[index]``: on one machine, samplers are spread evenly over the learners."""
+    from heterorl.protocol import load_or_create_identity
+    from heterorl.protocol.net.trajectories import LearnerAddress, rendezvous_order
+
+    learners = [LearnerAddress(k, str(i), ()) for i, k in enumerate(learner_keys)]
+    sampler_dir.mkdir(parents=True, exist_ok=True)
+    while True:
+        key = load_or_create_identity(sampler_dir / "peer.key")[0].public_key
+        if rendezvous_order(key, learners)[0].peer_id == str(index):
+            return
+        (sampler_dir / "peer.key").unlink()
+
+
 def run(args: argparse.Namespace) -> int:
     from heterorl.protocol import load_or_create_identity
 
@@ -109,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
             slow = args.sampler_slowdown[min(i, len(args.sampler_slowdown) - 1)]
             d = out / f"sampler-{i}"
             sampler_dirs.append(d)
+            if len(keys) > 1:  # sampler i sends to learner i mod N
+                key_for_learner(d, [bytes.fromhex(k) for k in keys], i % len(keys))
             backend = args.sampler_backends[min(i, len(args.sampler_backends) - 1)]
             argv = [*common, "--state-dir", str(d), "--slowdown", str(slow), "--backend", backend]
             argv += ["--nice", str(SAMPLER_NICE)]  # below the learner: samplers take the CPU it leaves

@@ -120,35 +120,47 @@ def _lineage_steps(writer: dict[int, dict], members: list[Path]) -> dict[int, di
 
 
 def lineage_summary(learners: list[Path]) -> dict:
-    """``learners``: per learner its key, whether it wrote, the updates its batches went into and the
-    batches it had applied; ``weights_agree``: every member checked every version the writer published
-    while it was a member (up to the newest one whose manifest reached it) and found its own weights
-    serialise to the signed bytes, with no mismatch anywhere."""
+    """``learners``: per learner whether it wrote at the end, the updates its batches went into, the batches
+    it had applied, and the versions it checked as a member; ``weights_agree``: no learner ever found its
+    weights other than a published version's signed bytes, and each member checked every version published
+    while it was a member (between its first and last check); ``lineage_bytes_per_version``: the bytes of
+    the members' links to the writer (gradients both ways, and state sent to joiners) per version."""
     from heterorl.protocol.storage.jsonlog import read_rows
     from heterorl.protocol.storage.ledger import AcceptedLog
 
-    published = {r["version"] for r in read_rows(learners[0] / "lineage.jsonl") if r.get("published")}
-    per, agree = {}, bool(published)
-    for i, d in enumerate(learners):
+    rows = {d.name: list(read_rows(d / "lineage.jsonl")) for d in learners}
+    published = {r["version"] for rs in rows.values() for r in rs if r.get("published")}
+    per, agree, checked, link_bytes, versions = {}, True, False, 0, 0
+    for d in learners:
         final_path = d / "final_stats.json"
         final = json.loads(final_path.read_text()) if final_path.exists() else {}
         with AcceptedLog(d / "accepted.sqlite") as ledger:
             applied = ledger.applied_count()
         lineage = final.get("lineage", {})
-        entry = {
-            "writer": i == 0,
+        link_bytes += lineage.get("lineage/link_bytes_sent", 0) + lineage.get(
+            "lineage/link_bytes_received", 0
+        )
+        versions = max(versions, int(final.get("step", 0)))
+        checks = [r for r in rows[d.name] if "agree" in r]
+        agreed = {r["version"] for r in checks if r["agree"]}
+        own = {r["version"] for r in rows[d.name] if r.get("published")}
+        span = (min(agreed), max(agreed)) if agreed else (0, -1)
+        missed = sorted(v for v in published - own if span[0] <= v <= span[1] and v not in agreed)
+        per[d.name] = {
+            "writer": bool(lineage.get("lineage/writer")),
             "updates": int(lineage.get("lineage/steps_with_my_data", 0)),
             "batches": applied,
+            "versions_checked": len(checks),
+            "versions_agreed": len(agreed),
+            "versions_missed": missed,
         }
-        if i:
-            checks = list(read_rows(d / "lineage.jsonl"))
-            agreed = {r["version"] for r in checks if r.get("agree")}
-            upto = max(agreed, default=-1)
-            missed = sorted(v for v in published if v <= upto and v not in agreed)
-            entry.update(versions_checked=len(checks), versions_agreed=len(agreed), versions_missed=missed)
-            agree = agree and bool(agreed) and not missed and all(r.get("agree") for r in checks)
-        per[d.name] = entry
-    return {"learners": per, "weights_agree": agree}
+        checked = checked or bool(checks)
+        agree = agree and not missed and all(r["agree"] for r in checks)
+    return {
+        "learners": per,
+        "weights_agree": agree and checked,
+        "lineage_bytes_per_version": link_bytes / max(1, versions),
+    }
 
 
 def curve_line(curve: list[float], points: int = 10) -> str:

@@ -1,4 +1,4 @@
-"""Simulate a large HeteroRL run: thousands of heterogeneous volunteer samplers, churn, one learner.
+"""Simulate a large HeteroRL run: thousands of heterogeneous volunteer samplers, churn, one or more learners.
 
 A discrete-event model (heterorl/sim/) that reuses the real bookkeeping: the learner's staleness
 rule, bounded buffer and staleness buckets, the senders' backoff, the checkpoint chunking and the wire size
@@ -12,11 +12,16 @@ A checkpoint switch costs either sparse bf16 deltas (--delta-ratio: a number, or
 weights --json FILE` measured) or the changed chunks of the older chunk model (--changed-frac); by default the
 full checkpoint every time.
 
+--learners N (several values: one run each) trains one lineage on N learner peers: samplers spread over them
+by rendezvous hashing, each version a step to which every learner with a full update contributes one, its
+float32 gradient exchanged through the writer's link (--learner-link-bytes-per-s).
+
 example:
   heterorl simulate --samplers 100 1000 3000 --hours 2
   heterorl simulate --samplers 1000 --publish-every 10 --changed-frac 0.05
   heterorl bench weights --json w.json; heterorl simulate --samplers 1000 --delta-ratio w.json
   heterorl simulate --samplers 1000 --delta-ratio w.json:tiny --background-fetch --max-lag 16
+  heterorl simulate --samplers 1000 --learners 1 2 4 --learner-link-bytes-per-s 1.25e10
 """
 
 from __future__ import annotations
@@ -119,6 +124,25 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="training tokens/s of the learner (default %(default)s: one GPU, 1.5B model)",
     )
     g.add_argument("--publish-s", type=float, default=d.publish_s, help="seconds to publish a checkpoint")
+    g.add_argument(
+        "--learners",
+        type=int,
+        nargs="+",
+        default=[d.learners],
+        help="learner peers training one lineage (several values: one run each; default %(default)s)",
+    )
+    g.add_argument(
+        "--learner-link-bytes-per-s",
+        type=float,
+        default=d.learner_link_bytes_per_s,
+        help="the writer's link, gradients in and the combined one out (default %(default)g: 10 Gbit/s)",
+    )
+    g.add_argument(
+        "--learner-rtt-s",
+        type=float,
+        default=d.learner_rtt_s,
+        help="round trip between a learner and the writer (default %(default)s)",
+    )
     g.add_argument("--announce-s", type=float, default=d.announce_s, help="until samplers find a manifest")
     g.add_argument("--model-bytes", type=float, default=d.model_bytes, help="checkpoint size (1.5B bf16)")
     x = g.add_mutually_exclusive_group()
@@ -148,7 +172,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", default=None, help="write every figure here")
 
 
-def _config(args: argparse.Namespace, n: int):
+def _config(args: argparse.Namespace, n: int, learners: int = 1):
     from .config import SimConfig
 
     if not args.background_fetch and (args.max_lag is not None or args.no_busy_pause):
@@ -175,6 +199,9 @@ def _config(args: argparse.Namespace, n: int):
         learner_tokens_per_s=args.learner_tokens_per_s,
         publish_s=args.publish_s,
         announce_s=args.announce_s,
+        learners=learners,
+        learner_link_bytes_per_s=args.learner_link_bytes_per_s,
+        learner_rtt_s=args.learner_rtt_s,
         model_bytes=int(args.model_bytes),
         changed_frac=1.0 if args.changed_frac is None else args.changed_frac,
         delta_ratio=ratio,
@@ -211,14 +238,38 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def learners_table(results: list[dict]) -> str:
+    """What the learner peers did: one row a run."""
+    head = (
+        "| samplers | learners | versions/h | rows trained/s | lineage computing / exchanging / publishing "
+        "/ waiting | learner computing · in round, waiting (mean of learners) | updates per version "
+        "| averaging GB per version (s) | samplers per learner |"
+    )
+    lines = [head, "|" + "---|" * 9]
+    for r in results:
+        lr, lt = r["learners"], r["learner"]
+        per = lr["per_learner"]
+        computing = sum(x["computing"] for x in per) / len(per)
+        waiting = sum(x["in_round_waiting"] for x in per) / len(per)
+        lines.append(
+            f"| {r['config']['samplers']} | {lr['count']} | {r['updates_per_h']:.0f} "
+            f"| {r['trajectories_per_s']:.0f} "
+            f"| {lr['rounds']['computing']:.0%} / {lr['rounds']['exchanging']:.0%} / {lt['publishing']:.0%} "
+            f"/ {lt['waiting']:.0%} | {computing:.0%} · {waiting:.0%} | {lr['updates_per_version']:.2f} "
+            f"| {lr['exchange_bytes_per_version'] / 1e9:.1f} ({lr['exchange_s_per_version']:.1f}) "
+            f"| {' · '.join(str(x['samplers']) for x in per)} |"
+        )
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
-    from .engine import Simulation
+    from .engine import Simulation, label
     from .fleet import load_fleet
     from .wire import chunk_lengths, synthetic_manifest, trajectory_batch_bytes
 
     try:
         fleet = load_fleet(args.fleet)
-        configs = [_config(args, n) for n in args.samplers]
+        configs = [_config(args, n, k) for n in args.samplers for k in args.learners]
     except (ValueError, OSError) as e:
         print(f"error: {e}")
         return 2
@@ -256,7 +307,9 @@ def run(args: argparse.Namespace) -> int:
         r["wall_s"] = time.perf_counter() - t
         results.append(r)
     print(table(results))
-    for r in results:
+    if any(r["learners"]["count"] > 1 for r in results):
+        print(learners_table(results))
+    for cfg, r in zip(configs, results, strict=True):
         per_class = ", ".join(
             f"{k} gen {v['generating']:.0%} fetch {v['fetching']:.0%}" for k, v in r["by_class"].items()
         )
@@ -264,10 +317,7 @@ def run(args: argparse.Namespace) -> int:
         switches = f"; versions behind when a batch starts: mean {r['generation_lag']['mean']:.1f}, max "
         switches += f"{r['generation_lag']['max']}; switches by delta {c.get('fetched_delta', 0):,}, "
         switches += f"in full {c.get('fetched_full', 0):,}"
-        print(
-            f"{r['config']['samplers']} samplers ({r['events']:,} events, {r['wall_s']:.0f} s): {per_class}"
-            + switches
-        )
+        print(f"{label(cfg)} ({r['events']:,} events, {r['wall_s']:.0f} s): {per_class}" + switches)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
         print(f"figures in {args.json}")

@@ -1,11 +1,14 @@
-"""What a simulated run is made of: its settings (:class:`SimConfig`), a batch in flight, a sampler."""
+"""What a simulated run is made of: its settings (:class:`SimConfig`), a batch in flight, a sampler, a
+learner peer."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 
+from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer
 from heterorl.protocol.settings import check_update_fits
+from heterorl.protocol.wire.messages import MAX_LEARNERS
 
 from .fleet import PeerSpec
 
@@ -30,6 +33,10 @@ class SimConfig:
     learner_tokens_per_s: float = 20_000.0  # training tokens (prompt + completion) per second, fwd+bwd
     publish_s: float = 3.0  # serialise, chunk, sign, announce
     announce_s: float = 2.0  # until a published manifest is found in the DHT
+    # learner peers training one lineage (the lowest key writes; see the engine's docstring)
+    learners: int = 1
+    learner_link_bytes_per_s: float = 1.25e9  # the writer's link (10 Gbit/s): gradients in, then out
+    learner_rtt_s: float = 0.05  # a round trip between a member and the writer
     # the checkpoint
     model_bytes: int = 3_087_000_000  # 1.54B parameters in bfloat16
     changed_frac: float = 1.0  # chunk model: fraction of chunks one update changes (1: full fine-tuning)
@@ -66,12 +73,28 @@ class SimConfig:
             raise ValueError("max_lag must be >= -1 (-1: never stop)")
         if self.learner_tokens_per_s <= 0 or self.publish_s < 0 or self.announce_s < 0:
             raise ValueError("learner_tokens_per_s must be > 0; publish_s and announce_s >= 0")
+        if not 1 <= self.learners <= MAX_LEARNERS:
+            raise ValueError(f"learners must lie in [1, {MAX_LEARNERS}] (the most keys a RunSpec lists)")
+        if not self.learner_link_bytes_per_s > 0 or self.learner_rtt_s < 0:
+            raise ValueError("learner_link_bytes_per_s must be > 0 and learner_rtt_s >= 0")
 
     @property
     def update_s(self) -> float:
         """Seconds of one learner update: its tokens over the learner's training rate."""
         rows = self.prompts_per_update * self.group_size
         return rows * (self.prompt_tokens + self.completion_tokens) / self.learner_tokens_per_s
+
+    @property
+    def gradient_bytes(self) -> int:
+        """One learner's float32 gradient: 4 bytes a parameter, ``model_bytes`` being a bf16 checkpoint."""
+        return 2 * self.model_bytes
+
+    def exchange_bytes(self, members_with_data: int) -> int:
+        """Bytes through the writer's link for one version: a gradient from each member with data, the
+        combined one to every member (``2 (N - 1) G`` when all have data; 0 with one learner)."""
+        if self.learners == 1:
+            return 0
+        return (members_with_data + self.learners - 1) * self.gradient_bytes
 
 
 @dataclasses.dataclass
@@ -92,8 +115,23 @@ class SimSampler:
         self.sending = False
         self.fetching = False
         self.waiting = False  # generation paused on a full outbox
+        self.learner = 0  # the learner it sends to (rendezvous order of its key)
         self.busy_until = 0.0  # the learner said "busy": its retry time (the stop rule waits for it)
         self.time = collections.Counter()  # state -> seconds (inside the measured window)
         self.state, self.state_since = "offline", 0.0
         self.down_bytes = 0
         self.up_bytes = 0
+
+
+class SimLearner:
+    """A learner peer: its own intake (the real bounded buffer) and, inside the measured window, the seconds
+    it computed its gradient and the seconds it spent in a round without computing (waiting for slower
+    learners, the exchange through the writer, the round trip)."""
+
+    def __init__(self, idx: int, buffer_batches: int) -> None:
+        self.idx = idx  # 0: the lowest key, the writer
+        self.buffer = TrajectoryBuffer(buffer_batches)
+        self.in_update: list[Buffered] = []  # batches taken by the round in progress
+        self.samplers = 0  # samplers whose rendezvous order puts this learner first
+        self.parts = 0  # updates of its own that went into versions (inside the window)
+        self.time = collections.Counter()  # "computing", "in round" -> seconds (inside the window)

@@ -1,4 +1,4 @@
-"""The discrete-event simulation of one run: a learner and many heterogeneous, churning samplers.
+"""The discrete-event simulation of one run: one or more learners and many heterogeneous, churning samplers.
 
 Each sampler behaves as ``peer/daemon/sampler.py`` does: between batches it switches to the newest published
 checkpoint, generates a batch, puts it in its durable outbox (generation pauses at ``max_pending`` queued
@@ -31,6 +31,22 @@ The learner behaves as ``peer/daemon/learner.py`` does: it admits a batch by the
 ``prompts_per_update`` prompt groups per update, buckets staleness with the real ``staleness_bucket``, and
 publishes a checkpoint every ``publish_every`` updates (training pauses while it publishes).
 
+Learner peers (``learners`` > 1) train one lineage as ``peer/daemon/learner_lineage.py`` does. Each sampler
+sends to one learner, the first in the real rendezvous order (``rendezvous_order``) of its index's key; each
+learner has its own buffer and "busy" replies, and the staleness rule uses the lineage's version, which every
+learner holds. A version is one collaborative step: when any learner has a full update, every learner that
+has one takes it (so a version trains on up to ``learners`` updates of ``prompts_per_update`` groups each: N
+learners consume up to N times the data per version, as in the real code, where each learner contributes a
+whole update of its own); each computes its gradient in parallel (``update_s`` with its own jitter); the
+round closes when the slowest of them is done, plus the exchange through the writer's link (a float32
+gradient, ``gradient_bytes`` = 4 bytes a parameter, in from each member with data, the combined one out to
+every member: ``2 (N - 1) G`` when all have data, sent and received one after the other at
+``learner_link_bytes_per_s``) and one ``learner_rtt_s``. A learner without data takes no part and waits for
+the commit; data that arrives during a round waits for the next one. The writer alone publishes (training
+pauses, as above) and serves checkpoints. Not modelled: encoding, hashing and combining the gradients, the
+members' own links (as fast as the writer's), learners leaving, and a sampler's failover to another learner.
+With one learner there is no exchange and the run is the single learner's above, event for event.
+
 Links are modelled per peer: a fetch takes ``rtt + bytes / downlink`` and its bytes (full or delta alike) are
 served by the learner and up to ``providers - 1`` random peers that already hold the whole target version,
 which is where upload bytes are charged. Two stated simplifications: a peer serves a version only once it
@@ -46,13 +62,32 @@ import itertools
 import math
 import random
 
-from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer, staleness_refusal
+from heterorl.peer.learner.buffer import Buffered, staleness_refusal
+from heterorl.protocol.net.trajectories import LearnerAddress, rendezvous_order
 from heterorl.protocol.storage.outbox import backoff_ceiling
 from heterorl.protocol.wire.staleness import staleness_bucket
 
-from .config import Batch, SimConfig, SimSampler
+from .config import Batch, SimConfig, SimLearner, SimSampler
 from .fleet import HardwareClass, draw_peers
 from .results import summarise
+
+
+def label(cfg: SimConfig) -> str:
+    """``1000 samplers``, or ``1000 samplers, 4 learners``."""
+    return f"{cfg.samplers} samplers" + (f", {cfg.learners} learners" if cfg.learners > 1 else "")
+
+
+def spread_samplers(samplers: int, learners: int) -> list[int]:
+    """The learner each sampler sends to: the first in the real rendezvous order of a key made of its index,
+    over learner keys whose order is their index (learner 0, the lowest key, writes). Deterministic, and an
+    even split up to the hash's spread."""
+    if learners == 1:
+        return [0] * samplers
+    addresses = [LearnerAddress(j.to_bytes(32, "big"), f"learner-{j}", ()) for j in range(learners)]
+    return [
+        int.from_bytes(rendezvous_order(i.to_bytes(32, "big"), addresses)[0].key, "big")
+        for i in range(samplers)
+    ]
 
 
 class Simulation:
@@ -74,10 +109,16 @@ class Simulation:
         self.now = 0.0
         self.t_start = cfg.warmup_h * 3600
         self.t_end = cfg.hours * 3600
-        # learner
-        self.buffer = TrajectoryBuffer(cfg.buffer_batches)
+        # learner(s): the lineage's version, state and counters; each learner's intake
+        self.learners = [SimLearner(j, cfg.buffer_batches) for j in range(cfg.learners)]
+        for s, j in zip(self.samplers, spread_samplers(cfg.samplers, cfg.learners), strict=True):
+            s.learner = j
+            self.learners[j].samplers += 1
         self.step = 0
-        self.in_update: list[Buffered] = []  # batches taken by the update in progress
+        self.parts = 0  # learner updates trained (inside the window): one per version with one learner
+        self.exchange_bytes = 0  # through the writer's link (inside the window)
+        self.exchange_s = 0.0  # seconds of rounds after their slowest gradient (inside the window)
+        self.round_time = collections.Counter()  # "computing", "exchanging": the lineage's rounds
         self.published = 0  # newest version samplers can find
         self.learner_state, self.learner_since = "waiting", 0.0
         self.learner_time = collections.Counter()
@@ -256,7 +297,7 @@ class Simulation:
     def arrive(self, s: SimSampler, epoch: int, b: Batch) -> None:
         if epoch != s.epoch:  # it left mid-send: the batch stays in its durable outbox
             return
-        reply = self.offer(b)
+        reply = self.offer(b, self.learners[s.learner])
         self.at(self.now + s.spec.rtt_s / 2, self.replied, s, epoch, b, reply)
 
     def replied(self, s: SimSampler, epoch: int, b: Batch, reply: str) -> None:
@@ -285,39 +326,70 @@ class Simulation:
 
     # ---- learner ----
 
-    def offer(self, b: Batch) -> str:
+    def offer(self, b: Batch, learner: SimLearner) -> str:
         win = self._in_window()
         if staleness_refusal(self.step, b.version, self.published, self.cfg.max_staleness):
             self.counts["batches_refused_stale"] += win
             return "refused"
-        if not self.buffer.has_room():
+        if not learner.buffer.has_room():
             self.counts["busy_replies"] += win
             return "busy"
         self.counts["batches_accepted"] += win
         body = {"policy_version": b.version, "rows": [{"group": g} for g in range(b.groups)]}
-        self.buffer.put(Buffered(b"", b"", body, self.now))
+        learner.buffer.put(Buffered(b"", b"", body, self.now))
         if self.learner_state == "waiting":
             self._train()
         return "accepted"
 
+    def _charge(self, counter: collections.Counter, state: str, t0: float, t1: float) -> None:
+        """Add the part of ``[t0, t1]`` inside the measured window to ``counter[state]``."""
+        lo, hi = max(t0, self.t_start), min(t1, self.t_end)
+        if hi > lo:
+            counter[state] += hi - lo
+
     def _train(self) -> None:
-        batches = self.buffer.take_groups(self.cfg.prompts_per_update, timeout=0)
-        if batches is None:
+        """Open a round if any learner has a full update: each that has one takes it and computes."""
+        parts = []
+        for ln in self.learners:
+            batches = ln.buffer.take_groups(self.cfg.prompts_per_update, timeout=0)
+            if batches is not None:
+                ln.in_update = batches
+                parts.append((ln, batches))
+        if not parts:
             self._set_learner("waiting")
             return
         self._set_learner("training")
-        self.in_update = batches
-        self.at(self.now + self.cfg.update_s * self.rng.lognormvariate(0.0, 0.05), self._trained, batches)
+        compute = {ln.idx: self.cfg.update_s * self.rng.lognormvariate(0.0, 0.05) for ln, _ in parts}
+        done = computed = self.now + max(compute.values())
+        nbytes = self.cfg.exchange_bytes(sum(ln.idx != 0 for ln, _ in parts))  # learner 0 writes
+        if self.cfg.learners > 1:
+            done = computed + nbytes / self.cfg.learner_link_bytes_per_s + self.cfg.learner_rtt_s
+        for ln in self.learners:
+            d = compute.get(ln.idx, 0.0)
+            self._charge(ln.time, "computing", self.now, self.now + d)
+            self._charge(ln.time, "in round", self.now + d, done)
+        self._charge(self.round_time, "computing", self.now, computed)
+        self._charge(self.round_time, "exchanging", computed, done)
+        self.at(done, self._trained, parts, nbytes, done - computed)
 
-    def _trained(self, batches: list[Buffered]) -> None:
-        self.in_update = []
-        for b in batches:
-            lag = self.step - b.body["policy_version"]
-            if self._in_window():
-                self.stale[staleness_bucket(lag)] += 1
-                self.stale_values.append(lag)
+    def _trained(
+        self, parts: list[tuple[SimLearner, list[Buffered]]], nbytes: int, exchange_s: float
+    ) -> None:
+        win = self._in_window()
+        for ln, batches in parts:
+            ln.in_update = []
+            for b in batches:
+                lag = self.step - b.body["policy_version"]
+                if win:
+                    self.stale[staleness_bucket(lag)] += 1
+                    self.stale_values.append(lag)
+            ln.parts += win
+            self.parts += win
         self.step += 1
-        self.counts["updates"] += self._in_window()
+        self.counts["updates"] += win
+        if win:
+            self.exchange_bytes += nbytes
+            self.exchange_s += exchange_s
         if self.step % self.cfg.publish_every == 0:
             self._set_learner("publishing")
             self.at(self.now + self.cfg.publish_s, self._published, self.step)
@@ -347,9 +419,7 @@ class Simulation:
 
         for s in self.samplers:
             self.at(self.rng.uniform(0, self.cfg.ramp_s), self.join, s)
-        bar = tqdm(
-            total=int(self.t_end), unit="sim-s", disable=not progress, desc=f"{self.cfg.samplers} samplers"
-        )
+        bar = tqdm(total=int(self.t_end), unit="sim-s", disable=not progress, desc=label(self.cfg))
         events = 0
         while self.events and self.events[0][0] <= self.t_end:
             t, _, fn, args = heapq.heappop(self.events)

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 def summarise(sim: Simulation, events: int) -> dict:
     """The figures of a finished run, over the measurement window (after warm-up)."""
     window_h = (sim.t_end - sim.t_start) / 3600
+    window_s = sim.t_end - sim.t_start
+    rows_per_update = sim.cfg.prompts_per_update * sim.cfg.group_size
+    versions = sim.counts["updates"]
     total = sum(sim.stale.values()) or 1
     values = sorted(sim.stale_values) or [0]
 
@@ -37,12 +40,26 @@ def summarise(sim: Simulation, events: int) -> dict:
         "events": events,
         "window_h": window_h,
         "updates_per_h": sim.counts["updates"] / window_h,
-        "trajectories_per_s": sim.counts["updates"]
-        * sim.cfg.prompts_per_update
-        * sim.cfg.group_size
-        / (window_h * 3600),
+        "trajectories_per_s": sim.parts * rows_per_update / (window_h * 3600),  # rows trained per second
         "learner": {k: sim.learner_time[k] / learner_total for k in ("training", "publishing", "waiting")},
         "learner_upload_GB_per_h": sim.learner_up / window_h / 1e9,
+        "learners": {  # learner peers: "learner" above is the lineage (a round in progress is "training")
+            "count": sim.cfg.learners,
+            "gradient_bytes": sim.cfg.gradient_bytes,
+            "updates_per_version": sim.parts / max(1, versions),
+            "exchange_bytes_per_version": sim.exchange_bytes / max(1, versions),  # the writer's, in + out
+            "exchange_s_per_version": sim.exchange_s / max(1, versions),  # after the slowest gradient
+            "rounds": {k: sim.round_time[k] / window_s for k in ("computing", "exchanging")},
+            "per_learner": [
+                {
+                    "samplers": ln.samplers,
+                    "computing": ln.time["computing"] / window_s,
+                    "in_round_waiting": ln.time["in round"] / window_s,
+                    "rows_per_s": ln.parts * rows_per_update / window_s,
+                }
+                for ln in sim.learners
+            ],
+        },
         "staleness": {
             "buckets": {b: sim.stale[b] / total for b in STALENESS_BUCKETS},
             "mean": statistics.fmean(values),

@@ -94,17 +94,9 @@ class Swarm:
     def sampler_key_for(self, name: str, index: int) -> None:
         """Give sampler ``name`` a key whose first choice of learner (rendezvous hashing) is learner
         ``index``: a test then knows where each sampler's batches go."""
-        from heterorl.protocol import load_or_create_identity
-        from heterorl.protocol.net.trajectories import LearnerAddress, rendezvous_order
+        from heterorl.localswarm.main import key_for_learner
 
-        learners = [LearnerAddress(bytes.fromhex(k), str(i), ()) for i, k in enumerate(self.learner_keys)]
-        d = self.root / name
-        while True:
-            d.mkdir(exist_ok=True)
-            key = load_or_create_identity(d / "peer.key")[0].public_key
-            if rendezvous_order(key, learners)[0].peer_id == str(index):
-                return
-            (d / "peer.key").unlink()
+        key_for_learner(self.root / name, [bytes.fromhex(k) for k in self.learner_keys], index)
 
     def restart_learner(self, learner: Proc, *extra: str, timeout: float = 60, **kw) -> Proc:
         """Stop ``learner`` as a volunteer's Ctrl-C does (SIGTERM: it saves its state and leaves; SIGKILL

@@ -47,9 +47,12 @@ log = logging.getLogger(__name__)
 
 TAKE_S = 0.2  # a learner's wait for its own next update before it looks at the lineage again
 START_WAIT_S = 30.0  # the writer's wait, before its first step, for the other live learners to join
-# at start, no live learner says it writes and none has a lower key: this long, then this one writes (a lower
-# key starting at the same time beats first); after its writer left, a learner elects at once
+# at start, no live learner says it writes and none has a lower key: this long, then this one writes (the
+# lowest listed key waits the shorter time; the others give it time to appear in the DHT); after its writer
+# left, a learner elects at once
 ELECT_WAIT_S = 5.0
+ELECT_WAIT_OTHERS_S = 30.0
+CHECK_WRITERS_S = 2.0  # how often a writer looks for another writer (two elected at once: one steps down)
 FIND_S = 120.0  # how long a learner looks for a writer to join (or the right to write) before it gives up
 
 
@@ -63,6 +66,11 @@ class LineageRole:
     def __init__(self, learner):
         self.l = learner
         s = learner.settings
+        if learner.world_size > 1 or s.adapter is not None:
+            raise ValueError(
+                "several learner keys: each learner runs on one device (no --nproc) and trains all the "
+                "weights (no adapter run) for now"
+            )
         self.key = learner.identity.public_key
         self.schema = parameter_schema(learner.trainer.named_trainable())
         self.writer = LineageWriter(learner.identity, s.run_id, s.learner_keys, self.schema)
@@ -77,7 +85,9 @@ class LineageRole:
             log_path=learner.state_dir / "lineage.jsonl",
         )
         self.steps_led = 0  # versions this learner's data went into
-        self.resyncs = self.takeovers = 0
+        self.resyncs = self.takeovers = self.conflicts = 0
+        self._checked_writers = 0.0
+        self.link_bytes = [0, 0]  # sent, received over links to writers closed since
         self.round_s = 0.0
         self.state = b""  # sha256 of the float32 weights at the current version
 
@@ -99,6 +109,7 @@ class LineageRole:
         l, s = self.l, self.l.settings
         started = end = time.monotonic()
         end += FIND_S
+        wait = ELECT_WAIT_S if self.key == min(s.learner_keys) else ELECT_WAIT_OTHERS_S
         while l.rt.running() and time.monotonic() < end:
             live = [x for x in l.node.call(find_lineage(l.node, s.run_id, s.learner_keys), timeout=30)
                     if x.address.key != self.key and x.address.key not in gone]  # fmt: skip
@@ -110,7 +121,7 @@ class LineageRole:
                 except (ConnectionError, ProtocolError, TimeoutError) as e:
                     log.info("lineage: could not join %s: %s", writing[0].address.key.hex()[:16], e)
             elif not any(x.address.key < self.key for x in live) and (
-                gone or time.monotonic() - started >= ELECT_WAIT_S  # a writer left: no one to wait for
+                gone or time.monotonic() - started >= wait  # a writer left: no one to wait for
             ):
                 self._write()
                 return
@@ -127,8 +138,7 @@ class LineageRole:
         if newest > l.step:  # a writer that left published further: never sign a version twice
             l.trainer.renumber(newest)
         if self.link is not None:
-            self.link.close()
-            self.link = None
+            self._drop_link()
             self.takeovers += 1
         self.writer.activate(l.step, self.state)
         self.writer_key = self.key
@@ -151,13 +161,19 @@ class LineageRole:
             if self.state != offered.state:
                 raise ProtocolError("the offered weights, loaded, do not hash to the offered state")
             log.info("lineage: took %s's state at version %d", key.hex()[:16], l.step)
-        if self.link is not None:
-            self.link.close()
+        self._drop_link()
         self.link, self.writer_key, self.adopter.writer_key = link, key, key
         self.adopter.keep(l.step, l.trainer.snapshot(s.learner.checkpoint_dtype, with_state=False))
         for raw in link.manifests:
             self.adopter.adopt(raw)
         log.info("lineage: member of %s's lineage at version %d", key.hex()[:16], l.step)
+
+    def _drop_link(self) -> None:
+        if self.link is not None:
+            self.link_bytes[0] += self.link.bytes_sent
+            self.link_bytes[1] += self.link.bytes_received
+            self.link.close()
+            self.link = None
 
     def published(self, version: int) -> None:
         """This learner published ``version``: its manifest goes to every member with their next reply."""
@@ -185,6 +201,7 @@ class LineageRole:
             if self.is_writer:
                 self._serve_state()
                 self._write_step(got)
+                self._yield_to_another_writer()
                 continue
             try:
                 self._member_step(got)
@@ -195,6 +212,33 @@ class LineageRole:
                 log.warning("lineage: %s (%s); %s", type(e).__name__, e, "electing" if gone else "resyncing")
                 self.resyncs += not gone
                 self._join_or_write(frozenset({self.writer_key}) if gone else frozenset())
+
+    def _yield_to_another_writer(self) -> None:
+        """Two learners that elected themselves at once (a heartbeat not yet seen): the one further behind
+        (lower published version; on a tie the higher key) stops writing and joins the other."""
+        l, s = self.l, self.l.settings
+        if time.monotonic() - self._checked_writers < CHECK_WRITERS_S:
+            return
+        self._checked_writers = time.monotonic()
+        live = l.node.call(find_lineage(l.node, s.run_id, s.learner_keys), timeout=30)
+        mine = (self.published_version(), -int.from_bytes(self.key, "big"))
+        ahead = [x for x in live if x.writes and x.address.key != self.key
+                 and (x.version, -int.from_bytes(x.address.key, "big")) > mine]  # fmt: skip
+        if not ahead:
+            return
+        log.warning(
+            "lineage: %s writes too (version %d, this learner %d); this learner steps down",
+            ahead[0].address.key.hex()[:16],
+            ahead[0].version,
+            mine[0],
+        )
+        self.writer.deactivate()
+        self.conflicts += 1
+        try:
+            self._join(ahead[0])
+        except (ConnectionError, ProtocolError, TimeoutError) as e:
+            log.info("lineage: could not join %s (%s); electing", ahead[0].address.key.hex()[:16], e)
+            self._join_or_write()
 
     def _wait_for_members(self) -> None:
         """Before the first step: the live learners join (or :data:`START_WAIT_S` passes)."""
@@ -348,19 +392,15 @@ class LineageRole:
             "lineage/steps_with_my_data": self.steps_led,
             "lineage/resyncs": self.resyncs,
             "lineage/takeovers": self.takeovers,
+            "lineage/writer_conflicts": self.conflicts,
             **self.writer.stats(),
         }
-        if self.link is not None:
-            out.update(
-                {
-                    "lineage/bytes_sent": self.link.bytes_sent,
-                    "lineage/bytes_received": self.link.bytes_received,
-                }
-            )
+        now = (self.link.bytes_sent, self.link.bytes_received) if self.link is not None else (0, 0)
+        out["lineage/link_bytes_sent"] = self.link_bytes[0] + now[0]
+        out["lineage/link_bytes_received"] = self.link_bytes[1] + now[1]
         if self.adopter is not None:
             out.update(self.adopter.stats())
         return out
 
     def close(self) -> None:
-        if self.link is not None:
-            self.link.close()
+        self._drop_link()

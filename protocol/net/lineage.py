@@ -167,6 +167,17 @@ class LineageWriter:
             self._version, self._state, self.active = version, state, True
             self._round = self._new_round()
 
+    def deactivate(self) -> None:
+        """This learner stops writing: members waiting for a commit hear why, and elect again."""
+        with self._cond:
+            self.active, rnd, self._round = False, self._round, None
+            self._members.clear()
+            self._cond.notify_all()
+        if rnd is not None:
+            self._node.call_soon(
+                _fail, rnd.future, ProtocolError("this learner no longer writes the lineage")
+            )
+
     def set_state(self, version: int, state: bytes) -> None:
         """The writer applied the step to ``version``: its weights now hash to ``state``."""
         with self._cond:
@@ -390,6 +401,11 @@ class LineageWriter:
 def _resolve(future: asyncio.Future, value) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _fail(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 class LineageLink:

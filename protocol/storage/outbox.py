@@ -118,7 +118,6 @@ class Outbox(SqliteStore):
         if dropped:
             log.warning("outbox %s: dropped %d oldest items on open to fit the caps", self.path, len(dropped))
 
-
     # -- queue operations --------------------------------------------------------------------------------
 
     def put(self, batch_id: bytes, data: bytes, policy_version: int) -> list[bytes]:
