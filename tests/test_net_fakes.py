@@ -343,6 +343,7 @@ def test_a_learner_that_dies_before_its_ack_gets_the_batch_again_and_logs_it_onc
             raise RuntimeError("killed between the ledger write and the Ack")
 
         await swarm.start_learner(on_accept=crash)
+        swarm.sender.request_timeout = 3.0  # no reply comes: the sender gives up on the stream after this
         bid, raw = _batch(swarm.sid)
         assert await swarm.send((bid, raw)) == 0  # the stream closed under the sender
         assert swarm.sender.failures == 1 and len(swarm.outbox) == 1 and swarm.ledger.seen(bid)

@@ -298,7 +298,8 @@ def cmd_sampler(args) -> None:
     identity = _identity(args.key)
     outbox = Outbox(args.outbox)
     node = _node(args, identity)
-    sender = TrajectorySender(node, outbox, args.run, [bytes.fromhex(args.learner_key)])
+    # a learner SIGKILLed mid-stream answers nothing: a sender gives up on the stream after 10 s, not 30
+    sender = TrajectorySender(node, outbox, args.run, [bytes.fromhex(args.learner_key)], request_timeout=10.0)
     task = node.spawn(sender.run())
     emit("ready", maddrs=node.maddrs, peer_id=node.peer_id)
     ids = []

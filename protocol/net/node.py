@@ -398,8 +398,9 @@ class Node:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
         if self.dht is not None:
+            # a dead daemon (a Ctrl-C reaches its process group too) answers nothing: do not wait for it
             try:
-                await asyncio.wait_for(self.dht.shutdown(), 10)
+                await asyncio.wait_for(self.dht.shutdown(), 10 if self.daemon_alive() else 0.5)
             except Exception as e:
                 log.debug("DHT shutdown: %s", e)
         if self.p2p is not None:
