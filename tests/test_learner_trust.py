@@ -209,3 +209,22 @@ def test_a_restart_replays_what_the_ledger_holds_as_it_was(tmp_path):
     assert again.replay(applied_after=0) == 2
     assert [b.batch_id for b in buffer2.take_groups(1, timeout=0)] == [body(1)["batch_id"]]
     assert len(again.held) == 1 and again.reputation.has_record(ALICE.public_key)
+
+
+def test_a_lineage_joiner_does_not_call_the_versions_published_while_it_was_away_never_published(tmp_path):
+    """A learner that took the lineage's state at version 10 holds versions 0-2 (its own, before it was
+    killed) and 10 on; 3-9 were published by another learner while it was away. Claims of them are not
+    "never published" once it knows; a gap it saw (11, which the writer skipped) still is."""
+    s = settings()
+    ledger = AcceptedLog(tmp_path / "accepted.sqlite")
+    trust = LearnerTrust(
+        s, ledger, TrajectoryBuffer(8), Store((0, 1, 2, 10, 12)), step=lambda: 12, published=lambda: 12,
+        reward_check=lambda b, a: None, replica=None, pad_id=0,
+    )  # fmt: skip
+    before = trust.admit(body(1, version=5), ALICE.public_key)
+    assert "claims version 5, which was never published" in str(before)
+    trust.saw_versions_from(10)
+    assert trust.admit(body(2, version=5), BOB.public_key) is None
+    assert trust.admit(body(3, version=10), BOB.public_key) is None
+    skipped = trust.admit(body(4, version=11), BOB.public_key)
+    assert "claims version 11, which was never published" in str(skipped)

@@ -459,3 +459,27 @@ def test_ledger_drop_and_bans_survive_a_reopen(tmp_path):
         assert lg.bans() == {b"mallory": "3 refused batches"}
         assert lg.dropped()[bid(3)] == "author banned"
         assert lg.applied_count() == 0 and lg.stats()["ledger/dropped"] == 1
+
+
+def test_a_batch_the_lineage_trained_elsewhere_is_dropped_here_and_never_replayed(tmp_path):
+    """Several learner peers: a sampler whose Ack was lost resends a batch to another learner. Once this
+    learner hears the lineage trained it (a Commit, or a state offer's ids), its own pending copy is dropped,
+    and survives a restart dropped; its own applied batches stay applied."""
+    path = tmp_path / "accepted.sqlite"
+    with AcceptedLog(path) as lg:
+        for i in range(4):
+            lg.accept(bid(i), b"alice", 1, b"x", 1.0)
+        lg.mark_applied([bid(0)], 3)  # this learner's own part of version 3
+        assert lg.record_lineage([bid(0), bid(5)], 3, "trained at version 3") == []  # not pending here
+        assert lg.record_lineage([bid(1), bid(6)], 4, "trained at version 4") == [bid(1)]
+        assert lg.record_lineage([bid(1)], 5, "again") == []  # heard twice: dropped once
+        assert lg.in_lineage([bid(i) for i in range(7)]) == {bid(0), bid(1), bid(5), bid(6)}
+        assert set(lg.lineage_since(3, 10)) == {bid(1), bid(6)}
+        assert set(lg.lineage_since(2, 10)) == {bid(0), bid(1), bid(5), bid(6)}
+        assert len(lg.lineage_since(2, 3)) == 3 and set(lg.lineage_since(2, 2)) == {bid(1), bid(6)}  # newest
+    with AcceptedLog(path) as lg:  # a restart replays neither the applied nor the trained-elsewhere batch
+        assert [it.batch_id for it in lg.pending()] == [bid(2), bid(3)]
+        assert lg.dropped()[bid(1)] == "trained at version 4"
+        assert lg.in_lineage([bid(1)]) == {bid(1)}
+        # a resent copy that arrives after the lineage trained it is a duplicate: acked, never stored
+        assert lg.seen(bid(6)) and not lg.seen(bid(7))

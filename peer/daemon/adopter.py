@@ -5,6 +5,8 @@ time). When the signed manifest of one arrives (:meth:`Adopter.adopt`), the memb
 exactly as the publisher does and compares the chunk hashes. A match means this learner holds the published
 bytes: its chunks and the writer's manifest go into its chunk store (its trust gate checks claims of that
 version against them) and ``lineage.jsonl`` records it. A mismatch is logged and counted, and recorded too.
+A manifest of a version this learner has not reached yet (the writer went on while its state travelled to a
+joiner) waits until the member keeps that version's weights.
 """
 
 from __future__ import annotations
@@ -40,18 +42,28 @@ class Adopter:
         self.run_id, self.writer_key, self.store, self.dtype = run_id, writer_key, store, dtype
         self.on_adopted, self.log_path = on_adopted, log_path
         self._kept: collections.OrderedDict[int, dict] = collections.OrderedDict()
+        self._early: dict[int, bytes] = {}  # manifests of versions not reached yet (at most KEPT)
+        self._reached = -1  # the version kept last
         self.published_version = -1
         self.agreed = self.mismatched = self.unchecked = 0
 
     def keep(self, version: int, snapshot) -> None:
         """The weights of ``version`` (a Snapshot), until its manifest comes."""
         self._kept[version] = snapshot.weights
+        self._reached = version  # where this learner is (a rejoin may go back)
         while len(self._kept) > KEPT:
             self._kept.popitem(last=False)
+        raw = self._early.pop(version, None)
+        for old in [k for k in self._early if k < version]:  # versions this learner stepped past unkept
+            self._early.pop(old)
+            self.unchecked += 1
+        if raw is not None:
+            self.adopt(raw)
 
     def adopt(self, raw: bytes) -> bool | None:
         """Check a manifest the writer signed against this learner's weights of its version: True (agree:
-        stored), False (disagree), None (not a version kept here: published before this learner had it)."""
+        stored), False (disagree), None (not a version kept here: published before this learner had it; or
+        not reached yet: kept for :meth:`keep`)."""
         try:
             _, body, author = decode(raw, "CheckpointManifest", run_id=self.run_id)
         except ProtocolError as e:
@@ -59,6 +71,12 @@ class Adopter:
         if author != self.writer_key:
             raise ProtocolError("a manifest in the writer's reply not signed by the writer")
         v = body["version"]
+        if v > self._reached:  # not reached yet: checked when its weights are kept
+            self._early[v] = raw
+            while len(self._early) > KEPT:
+                self._early.pop(min(self._early))
+                self.unchecked += 1
+            return None
         weights = self._kept.pop(v, None)
         for old in [k for k in self._kept if k < v]:  # versions the writer skipped: never published
             del self._kept[old]

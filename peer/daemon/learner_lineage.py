@@ -33,6 +33,7 @@ import time
 
 from heterorl.protocol import ProtocolError, encode
 from heterorl.protocol.net.chunks import latest_manifest
+from heterorl.protocol.net.framing import FrameError
 from heterorl.protocol.net.lineage import LineageLink, LineageWriter, LiveLearner, find_lineage
 from heterorl.protocol.wire.gradients import encode_gradient, parameter_schema
 
@@ -53,6 +54,7 @@ START_WAIT_S = 30.0  # the writer's wait, before its first step, for the other l
 ELECT_WAIT_S = 5.0
 ELECT_WAIT_OTHERS_S = 30.0
 CHECK_WRITERS_S = 2.0  # how often a writer looks for another writer (two elected at once: one steps down)
+LOOKUP_S = 30.0  # one look in the DHT for the run's live learners
 FIND_S = 120.0  # how long a learner looks for a writer to join (or the right to write) before it gives up
 
 
@@ -86,6 +88,7 @@ class LineageRole:
         )
         self.steps_led = 0  # versions this learner's data went into
         self.resyncs = self.takeovers = self.conflicts = 0
+        self.dropped_trained = 0  # batches this learner held that another learner trained
         self._checked_writers = 0.0
         self.link_bytes = [0, 0]  # sent, received over links to writers closed since
         self.round_s = 0.0
@@ -111,10 +114,14 @@ class LineageRole:
         end += FIND_S
         wait = ELECT_WAIT_S if self.key == min(s.learner_keys) else ELECT_WAIT_OTHERS_S
         while l.rt.running() and time.monotonic() < end:
-            live = [x for x in l.node.call(find_lineage(l.node, s.run_id, s.learner_keys), timeout=30)
-                    if x.address.key != self.key and x.address.key not in gone]  # fmt: skip
+            found = self._live()  # None: the DHT did not answer; never elect on no view
+            if not l.rt.running():  # told to stop while it looked (a Ctrl-C ends the writer's daemon too)
+                return
+            live = [x for x in found or () if x.address.key != self.key and x.address.key not in gone]
             writing = [x for x in live if x.writes]
-            if writing:
+            if found is None:
+                pass
+            elif writing:
                 try:
                     self._join(writing[0])
                     return
@@ -123,8 +130,11 @@ class LineageRole:
             elif not any(x.address.key < self.key for x in live) and (
                 gone or time.monotonic() - started >= wait  # a writer left: no one to wait for
             ):
-                self._write()
-                return
+                try:
+                    self._write()
+                    return
+                except TimeoutError as e:  # the newest published version not known: never sign one twice
+                    log.warning("lineage: %s; looking again", e)
             l.status.state = "looking for the lineage's writer"
             l.rt.stop.wait(1.0)
         if l.rt.running():
@@ -148,6 +158,17 @@ class LineageRole:
             self._log_published(l.step)
         log.info("lineage: this learner writes, from version %d", l.step)
 
+    def _live(self) -> list[LiveLearner] | None:
+        """The run's live learners (heartbeats in the DHT); None when the DHT did not answer in time (a
+        loaded machine, a peer that just died): the caller looks again rather than acting on no view."""
+        l, s = self.l, self.l.settings
+        try:
+            live = l.node.call(find_lineage(l.node, s.run_id, s.learner_keys), timeout=LOOKUP_S)
+        except TimeoutError as e:
+            log.warning("lineage: the run's learners not found in the DHT (%s); looking again", e)
+            live = None
+        return live
+
     def _join(self, writer: LiveLearner) -> None:
         """Join ``writer``'s lineage: the hellos, its state if this learner's differs, then the manifests
         published so far (checked)."""
@@ -161,6 +182,8 @@ class LineageRole:
             if self.state != offered.state:
                 raise ProtocolError("the offered weights, loaded, do not hash to the offered state")
             log.info("lineage: took %s's state at version %d", key.hex()[:16], l.step)
+            self._trained(offered.trained, offered.version, "by")
+            l.trust.saw_versions_from(offered.version)  # those published while it was away: not held here
         self._drop_link()
         self.link, self.writer_key, self.adopter.writer_key = link, key, key
         self.adopter.keep(l.step, l.trainer.snapshot(s.learner.checkpoint_dtype, with_state=False))
@@ -208,7 +231,11 @@ class LineageRole:
             except (ConnectionError, EOFError, ProtocolError, TimeoutError, WeightsDisagree) as e:
                 if l.rt.stop.is_set():
                     return
-                gone = isinstance(e, (ConnectionError, EOFError, TimeoutError))
+                # a stream cut mid-frame or gone silent is a writer that left (killed, or its link died),
+                # not a disagreement: elect without it rather than resync with it
+                gone = isinstance(e, (ConnectionError, EOFError, TimeoutError)) or (
+                    isinstance(e, FrameError) and e.kind in ("truncated", "timeout")
+                )
                 log.warning("lineage: %s (%s); %s", type(e).__name__, e, "electing" if gone else "resyncing")
                 self.resyncs += not gone
                 self._join_or_write(frozenset({self.writer_key}) if gone else frozenset())
@@ -216,11 +243,10 @@ class LineageRole:
     def _yield_to_another_writer(self) -> None:
         """Two learners that elected themselves at once (a heartbeat not yet seen): the one further behind
         (lower published version; on a tie the higher key) stops writing and joins the other."""
-        l, s = self.l, self.l.settings
         if time.monotonic() - self._checked_writers < CHECK_WRITERS_S:
             return
         self._checked_writers = time.monotonic()
-        live = l.node.call(find_lineage(l.node, s.run_id, s.learner_keys), timeout=30)
+        live = self._live() or []
         mine = (self.published_version(), -int.from_bytes(self.key, "big"))
         ahead = [x for x in live if x.writes and x.address.key != self.key
                  and (x.version, -int.from_bytes(x.address.key, "big")) > mine]  # fmt: skip
@@ -242,12 +268,12 @@ class LineageRole:
 
     def _wait_for_members(self) -> None:
         """Before the first step: the live learners join (or :data:`START_WAIT_S` passes)."""
-        l, s = self.l, self.l.settings
+        l = self.l
         end = time.monotonic() + START_WAIT_S
         while l.rt.running() and time.monotonic() < end:
-            live = l.node.call(find_lineage(l.node, s.run_id, s.learner_keys), timeout=30)
-            want = {x.address.key for x in live} - {self.key}
-            if want <= set(self.writer.members()):
+            live = self._live()
+            want = {x.address.key for x in live or ()} - {self.key}
+            if live is not None and want <= set(self.writer.members()):
                 return
             self._serve_state()
             l.status.state = f"waiting for learners ({len(self.writer.members())} of {len(want)} joined)"
@@ -261,12 +287,15 @@ class LineageRole:
         snap = l.trainer.snapshot(l.settings.learner.checkpoint_dtype, with_state=True)
         named = [(n, snap.model_state[n]) for n, _ in l.trainer.named_trainable()]
         weights, optimizer = state_bytes(named, snap.optimizer_state)
-        self.writer.offer_state(snap.version, self.state, weights, optimizer)
+        self.writer.offer_state(snap.version, self.state, weights, optimizer, l.ledger.lineage_since)
 
     def _own_part(self, got: Assembled | None):
         """This learner's batches (less banned authors'), their gradient, stats and tokens; or Nones."""
         l = self.l
         batches = l.trust.without_banned(got.batches) if got is not None else []
+        elsewhere = l.ledger.in_lineage(b.batch_id for b in batches)
+        if elsewhere:  # trained by another learner (a sampler resent it there): dropped when that was heard
+            batches = [b for b in batches if b.batch_id not in elsewhere]
         if not batches:
             return [], None, {}, 0
         rows = got.rows if len(batches) == len(got.batches) else l.assembler.rows(batches)
@@ -289,6 +318,10 @@ class LineageRole:
             combined.append((self.key, tokens, grads, float(stats.get(LR_SCALE_KEY, 1.0))))
         for p in parts:
             if not p.tokens or taken & set(p.batch_ids):  # a batch in two parts: the later part waits
+                continue
+            if l.ledger.in_lineage(p.batch_ids):  # never: a member hears every commit, or a state offer's ids
+                log.warning("lineage: %s's part names batches the lineage trained; left out",
+                            p.learner.hex()[:16])  # fmt: skip
                 continue
             taken.update(p.batch_ids)
             applied.append({"learner": p.learner, "batch_ids": p.batch_ids})
@@ -314,6 +347,7 @@ class LineageRole:
         # marked before the commit goes out: a writer killed in between loses these batches, never trains
         # them twice (its restart replays only batches never marked)
         l.ledger.mark_applied([b.batch_id for b in batches], version)
+        self._trained([i for a in applied for i in a["batch_ids"]], version, "at")
         self.writer.commit(fields, data)
         l.trainer.apply(gradient, lr_scale)
         self.state = state_sha256(l.trainer.named_trainable())
@@ -363,15 +397,29 @@ class LineageRole:
         mine = {bytes(i) for a in reply["applied"] if a["learner"] == self.key for i in a["batch_ids"]}
         used = [b for b in batches if b.batch_id in mine]
         l.ledger.mark_applied([b.batch_id for b in used], version)  # the lineage holds them now
+        trained = [bytes(i) for a in reply["applied"] for i in a["batch_ids"]]
+        dropped = set(self._trained(trained, version, "at"))  # resent to another learner, trained there
         l.trainer.apply(gradient, reply["lr_scale"])
         self.state = state_sha256(l.trainer.named_trainable())
         for b in batches:
-            if b.batch_id not in mine:  # the step closed without this part: the next one takes it
+            if b.batch_id not in mine | dropped:  # the step closed without this part: the next one takes it
                 l.buffer.put(b)
         if reply["publish"]:
             self.adopter.keep(version, l.trainer.snapshot(s.learner.checkpoint_dtype, with_state=False))
         l.stats.train_s += time.perf_counter() - t
         self._record(version, used, stats if used else {}, len(reply["applied"]))
+
+    def _trained(self, batch_ids: list[bytes], version: int, how: str) -> list[bytes]:
+        """The lineage trained ``batch_ids`` (``how`` "at" or "by" ``version``): recorded; this learner's own
+        pending copies of them (a sampler resent one whose Ack it lost) are dropped, never trained twice."""
+        dropped = self.l.ledger.record_lineage(
+            batch_ids, version, f"trained by another learner of the lineage {how} version {version}"
+        )
+        if dropped:
+            self.dropped_trained += len(dropped)
+            log.info("lineage: %d batches this learner holds were trained by another learner %s version %d;"
+                     " dropped", len(dropped), how, version)  # fmt: skip
+        return dropped
 
     def _log_published(self, version: int) -> None:
         """The versions every member keeps and checks (``lineage.jsonl``; a member's says what it found)."""
@@ -393,6 +441,7 @@ class LineageRole:
             "lineage/resyncs": self.resyncs,
             "lineage/takeovers": self.takeovers,
             "lineage/writer_conflicts": self.conflicts,
+            "lineage/dropped_trained_elsewhere": self.dropped_trained,
             **self.writer.stats(),
         }
         now = (self.link.bytes_sent, self.link.bytes_received) if self.link is not None else (0, 0)

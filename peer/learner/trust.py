@@ -55,7 +55,9 @@ class LearnerTrust:
     ``replica``: the model the spot checker loads versions into; None runs no spot checks (adapter runs).
     ``unchecked_versions_wait``: a lineage member's (:mod:`~heterorl.peer.daemon.learner_lineage`): a batch of
     a version it has stepped to but whose manifest from the writer it has not checked yet is deferred, not
-    refused (the writer published it; the manifest is on its way).
+    refused (the writer published it; the manifest is on its way). :meth:`saw_versions_from`: a lineage
+    member that took the writer's state did not see the versions published while it was away, so a claim of
+    one of them is not "never published" (a spot check finds it no longer held: dropped, no strike).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class LearnerTrust:
         self.settings, self.ledger, self.buffer, self.store = settings, ledger, buffer, store
         self._step, self._published = step, published
         self._unchecked_wait = unchecked_versions_wait
+        self._seen_from = -1  # versions from here on: every one published is held here (or was skipped)
         s = settings
         self.held = HeldBatches()
         self._lock = threading.RLock()  # a batch is held or released, never both
@@ -164,9 +167,14 @@ class LearnerTrust:
         author's claims never go back in time."""
         v = body["policy_version"]
         held = self.store.versions()
-        if held and held[0] <= v <= self._published() and not self.store.has_version(v):
+        if held and max(held[0], self._seen_from) <= v <= self._published() and not self.store.has_version(v):
             return f"claims version {v}, which was never published"
         return self.reputation.check_claim(body, author)
+
+    def saw_versions_from(self, version: int) -> None:
+        """This learner took a lineage's state at ``version``: the versions before it that it does not hold
+        were published while it was away, not skipped."""
+        self._seen_from = max(self._seen_from, int(version))
 
     def _check_staleness(self, body: dict, _author: bytes) -> str | Deferral | None:
         v = body["policy_version"]

@@ -16,8 +16,9 @@ Leave and join. A member that leaves (its stream ends, or it stops contributing)
 step; a writer that leaves is replaced by the lowest live key among the others (``find_lineage`` reads who
 writes from the learners' heartbeats). A learner that joins at another version, or whose weights hash
 otherwise, gets a StateOffer: the writer's weights and optimiser state at a step boundary, two hashed frames,
-loaded before it contributes. A member a few steps behind is sent the commits it missed, in order (the
-writer keeps the last :data:`HISTORY`).
+loaded before it contributes, with the ids of the batches the lineage trained since its version (its own
+pending copies of them, which a sampler resent elsewhere when an Ack was lost, are dropped). A member a few
+steps behind is sent the commits it missed, in order (the writer keeps the last :data:`HISTORY`).
 
 Trust, per stream: the first frame each way is a signed LineageHello naming the sender's libp2p peer id,
 which the stream authenticates, so the Ed25519 key is bound to the connection; the key must be one of the
@@ -37,6 +38,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from heterorl.protocol.net.dht import peers_key
 from heterorl.protocol.net.framing import FrameError, read_frame, write_frame
@@ -45,7 +47,14 @@ from heterorl.protocol.net.trajectories import LearnerAddress
 from heterorl.protocol.wire.errors import ProtocolError
 from heterorl.protocol.wire.gradients import Schema, decode_gradient, gradient_frame_cap, schema_sha256
 from heterorl.protocol.wire.identity import Identity
-from heterorl.protocol.wire.messages import MAX_MESSAGE_BYTES, decode, encode, unpack_stats
+from heterorl.protocol.wire.messages import (
+    BATCH_ID_BYTES,
+    MAX_MESSAGE_BYTES,
+    MAX_TRAINED_IDS,
+    decode,
+    encode,
+    unpack_stats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +140,7 @@ class Offered:
     state: bytes
     weights: bytes
     optimizer: bytes
+    trained: list[bytes]  # ids of the batches the lineage trained after the joiner's version
 
 
 class LineageWriter:
@@ -152,7 +162,8 @@ class LineageWriter:
         self._history: collections.deque[tuple[int, tuple]] = collections.deque(maxlen=HISTORY)
         self._had: dict[bytes, int] = {}  # connected learner -> newest manifest version it has had
         self._members: set[bytes] = set()  # learners that contributed since they connected: waited for
-        self._state_wanted: list[asyncio.Future] = []  # joiners waiting for the writer's state
+        # joiners waiting for the writer's state, with the version each is at
+        self._state_wanted: list[tuple[asyncio.Future, int]] = []
         self._manifests: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=MANIFESTS_KEPT)
         self.refused: collections.Counter[str] = collections.Counter()
         self.bytes_received = self.bytes_sent = 0
@@ -187,12 +198,21 @@ class LineageWriter:
         with self._cond:
             return bool(self._state_wanted)
 
-    def offer_state(self, version: int, state: bytes, weights: bytes, optimizer: bytes) -> None:
-        """The training thread's answer to :meth:`state_wanted`: its state between two steps."""
+    def offer_state(
+        self,
+        version: int,
+        state: bytes,
+        weights: bytes,
+        optimizer: bytes,
+        trained_since: Callable[[int, int], list[bytes]],
+    ) -> None:
+        """The training thread's answer to :meth:`state_wanted`: its state between two steps, and for each
+        joiner the ids the lineage trained after its version (``trained_since(version, limit)``)."""
         with self._cond:
             waiting, self._state_wanted = self._state_wanted, []
-        for fut in waiting:
-            self._node.call_soon(_resolve, fut, (version, state, weights, optimizer))
+        for fut, since in waiting:
+            trained = b"".join(trained_since(since, MAX_TRAINED_IDS))
+            self._node.call_soon(_resolve, fut, (version, state, weights, optimizer, trained))
 
     def _new_round(self) -> _Round:  # under the lock
         return _Round(self._version, self._loop.create_future())
@@ -289,19 +309,20 @@ class LineageWriter:
         if (body["version"], body["state"]) != (version, state):  # its state is not the lineage's: ours
             fut = self._loop.create_future()
             with self._cond:
-                self._state_wanted.append(fut)
-            version, state, weights, optimizer = await asyncio.wait_for(fut, STATE_TIMEOUT_S)
-            offer = (version, state, weights, optimizer)
+                self._state_wanted.append((fut, body["version"]))
+            offer = await asyncio.wait_for(fut, STATE_TIMEOUT_S)
+            version, state = offer[:2]
         hello = _hello(self.identity, self.run_id, self._node.peer_id, remote, self.schema, version, state)
         await write_frame(writer, hello)
         if offer is not None:
-            _, state, weights, optimizer = offer
+            _, state, weights, optimizer, trained = offer
             fields = {
                 "run_id": self.run_id,
                 "version": version,
                 "state": state,
                 "weights_sha256": hashlib.sha256(weights).digest(),
                 "optimizer_sha256": hashlib.sha256(optimizer).digest(),
+                "trained": trained,
             }
             await write_frame(writer, encode("StateOffer", fields, self.identity))
             await write_frame(writer, weights)
@@ -451,7 +472,11 @@ class LineageLink:
                 raise ProtocolError(
                     "the offered optimiser state does not hash to the signed optimizer_sha256"
                 )
-            offered = Offered(offer["version"], offer["state"], weights, optimizer)
+            trained = offer["trained"]
+            if len(trained) % BATCH_ID_BYTES:
+                raise ProtocolError("the offer's trained batch ids are not a whole number of ids")
+            ids = [trained[i : i + BATCH_ID_BYTES] for i in range(0, len(trained), BATCH_ID_BYTES)]
+            offered = Offered(offer["version"], offer["state"], weights, optimizer, ids)
             self.bytes_received += len(weights) + len(optimizer)
         frame = await read_frame(reader, MAX_MESSAGE_BYTES, 30.0)
         kind, body, author = decode(frame, run_id=self.run_id)

@@ -13,7 +13,9 @@ state are un-marked and handed back with the never-applied ones, so none is lost
 Which accepted batches were released to training (:meth:`~AcceptedLog.mark_released`) and each author's
 record (:meth:`~AcceptedLog.save_author`) are kept beside them, so a restart holds again what no check
 vouched for. :meth:`~AcceptedLog.prune_applied` drops the payloads of batches no checkpoint restart can need
-any more but keeps their ids, so dedupe still holds.
+any more but keeps their ids, so dedupe still holds. With several learner peers, a sampler that lost an Ack
+may resend a batch to another learner: :meth:`~AcceptedLog.record_lineage` keeps the ids every Commit of the
+lineage trained, and drops this learner's own pending copy of any of them.
 
 Pure storage: no sockets, no asyncio. Every operation holds one lock, so an ``asyncio.to_thread`` worker and
 the main thread may share an instance. Not here: flow control (the receiver's ``has_room``), decoding or
@@ -26,6 +28,7 @@ import dataclasses
 import json
 import logging
 import sqlite3
+import time
 from collections.abc import Iterable
 
 from heterorl.protocol.storage.sqlite_util import SqliteStore
@@ -60,6 +63,9 @@ _ADDED = (
     "CREATE TABLE IF NOT EXISTS released (batch_id BLOB PRIMARY KEY)",
     # what the learner knows of each author (its record, strikes, probation), as JSON
     "CREATE TABLE IF NOT EXISTS authors (author BLOB PRIMARY KEY, record TEXT NOT NULL)",
+    # learner peers: every batch the lineage trained (any learner's, from each Commit), at which version
+    "CREATE TABLE IF NOT EXISTS lineage (batch_id BLOB PRIMARY KEY, version INTEGER NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS lineage_version ON lineage (version)",
 )
 
 
@@ -186,9 +192,14 @@ class AcceptedLog(SqliteStore):
         return fresh
 
     def seen(self, batch_id: bytes) -> bool:
-        """Whether ``batch_id`` was ever accepted (pruned batches included)."""
+        """Whether ``batch_id`` was ever accepted (pruned batches included), or trained by another learner
+        of the lineage (a sampler resent it here after losing that learner's Ack)."""
+        b = bytes(batch_id)
         with self._txn() as conn:
-            row = conn.execute("SELECT 1 FROM batches WHERE batch_id = ?", (bytes(batch_id),)).fetchone()
+            row = conn.execute(
+                "SELECT 1 FROM batches WHERE batch_id = ? UNION ALL SELECT 1 FROM lineage WHERE batch_id = ?",
+                (b, b),
+            ).fetchone()
         return row is not None
 
     def get(self, batch_id: bytes) -> LedgerItem | None:
@@ -268,6 +279,50 @@ class AcceptedLog(SqliteStore):
                 "UPDATE batches SET data = NULL, size = 0 WHERE applied_step < ? AND data IS NOT NULL",
                 (int(before_step),),
             ).rowcount
+
+    # -- learner peers: what the whole lineage trained -----------------------------------------------------
+
+    def record_lineage(self, batch_ids: Iterable[bytes], version: int, reason: str) -> list[bytes]:
+        """Record that the lineage trained ``batch_ids`` at (or, from a state offer, by) ``version``. This
+        learner's own pending copies of them (a sampler resent a batch whose Ack was lost to another
+        learner) are dropped with ``reason``, never trained twice; their ids are returned."""
+        ids = [bytes(b) for b in batch_ids]
+        with self._txn() as conn:
+            conn.executemany(
+                "INSERT OR IGNORE INTO lineage (batch_id, version) VALUES (?, ?)",
+                [(b, int(version)) for b in ids],
+            )
+            dropped = [
+                b
+                for b in ids
+                if conn.execute(
+                    "UPDATE batches SET applied_step = ? WHERE batch_id = ? AND applied_step IS NULL",
+                    (DROPPED, b),
+                ).rowcount
+            ]
+            conn.executemany(
+                "INSERT OR REPLACE INTO dropped (batch_id, reason, at) VALUES (?, ?, ?)",
+                [(b, reason, time.time()) for b in dropped],
+            )
+        return dropped
+
+    def in_lineage(self, batch_ids: Iterable[bytes]) -> set[bytes]:
+        """Those of ``batch_ids`` the lineage already trained."""
+        with self._txn() as conn:
+            return {
+                b
+                for b in (bytes(x) for x in batch_ids)
+                if conn.execute("SELECT 1 FROM lineage WHERE batch_id = ?", (b,)).fetchone()
+            }
+
+    def lineage_since(self, version: int, limit: int) -> list[bytes]:
+        """Ids of the batches the lineage trained after ``version``: the newest ``limit`` of them."""
+        with self._txn() as conn:
+            rows = conn.execute(
+                "SELECT batch_id FROM lineage WHERE version > ? ORDER BY version DESC LIMIT ?",
+                (int(version), int(limit)),
+            ).fetchall()
+        return [r[0] for r in rows]
 
     # -- introspection -----------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ MAX_BAN_REASON = 200
 MAX_DELTAS = 8  # a manifest offers its version as a delta against at most this many older versions
 MAX_LEARNERS = 64  # learner keys a RunSpec may list
 MAX_LINEAGE_BATCHES = 4096  # batches one learner contributes to one version
+MAX_TRAINED_IDS = 1 << 19  # batch ids a StateOffer names (8 MiB)
 
 _token_ids = s.array(s.integer(0, 1 << 31), MAX_TOKENS)
 _run_id = s.text(128)
@@ -170,6 +171,9 @@ SCHEMAS: dict[str, s.Check] = {
             "state": s.binary(HASH_BYTES, HASH_BYTES),  # what the weights hash to once loaded (state_sha256)
             "weights_sha256": s.binary(HASH_BYTES, HASH_BYTES),
             "optimizer_sha256": s.binary(HASH_BYTES, HASH_BYTES),
+            # the ids of the batches the lineage trained after the joiner's version, concatenated (16 bytes
+            # each, newest first): a joiner drops its own pending copies of them, never training one twice
+            "trained": s.binary(0, MAX_TRAINED_IDS * BATCH_ID_BYTES),
         }
     ),
     # a learner's gradient on version ``version`` (the next frame: safetensors of float32 tensors, hashing
