@@ -10,9 +10,10 @@ import pytest
 import torch
 from test_trainer import buffered, options
 
-from heterorl.peer.learner.combine import combine_gradients, state_sha256, weighted_lr_scale
+from heterorl.peer.learner.combine import combine_gradients, parts_for_step, state_sha256, weighted_lr_scale
 from heterorl.peer.learner.rows import rows_from_batches
 from heterorl.peer.learner.trainer import Trainer
+from heterorl.protocol.net.lineage import Contributed
 from heterorl.protocol.wire.gradients import decode_gradient, encode_gradient, parameter_schema
 
 pytestmark = pytest.mark.fast
@@ -150,3 +151,20 @@ def test_a_joining_learner_takes_the_writers_weights_and_adamw_state_and_steps_i
         load_state_bytes(other, 2, weights, optimizer)
     with pytest.raises(ProtocolError, match="safetensors"):
         load_state_bytes(joiner, 2, b"garbage", optimizer)
+
+
+def test_a_step_takes_each_batch_once_and_never_one_the_lineage_trained(caplog):
+    """The writer's own part first; a part without tokens, one repeating a batch an earlier part named (it
+    waits for the next step) and one naming a batch the lineage already trained are left out."""
+    ids = [bytes([i]) * 16 for i in range(6)]
+
+    def part(key: bytes, batch: list[int], tokens: int = 5) -> Contributed:
+        return Contributed(key * 32, 3, [ids[i] for i in batch], tokens, 1.0, {} if tokens else None)
+
+    own, empty = part(b"a", [0, 1]), part(b"b", [], tokens=0)
+    again, trained, fresh = part(b"c", [1, 2]), part(b"d", [3, 4]), part(b"e", [5])
+    lineage = {ids[4]}
+    chosen = parts_for_step([own, empty, again, trained, fresh], lambda xs: lineage & set(xs))
+    assert chosen == [own, fresh]
+    assert "part names batches the lineage trained" in caplog.text
+    assert parts_for_step([again, own], lambda xs: set()) == [again]  # whichever came first

@@ -34,11 +34,11 @@ import time
 from heterorl.protocol import ProtocolError, encode
 from heterorl.protocol.net.chunks import latest_manifest
 from heterorl.protocol.net.framing import FrameError
-from heterorl.protocol.net.lineage import LineageLink, LineageWriter, LiveLearner, find_lineage
+from heterorl.protocol.net.lineage import Contributed, LineageLink, LineageWriter, LiveLearner, find_lineage
 from heterorl.protocol.wire.gradients import encode_gradient, parameter_schema
 
 from ..learner.assembler import Assembled
-from ..learner.combine import combine_gradients, state_sha256, weighted_lr_scale
+from ..learner.combine import combine_gradients, parts_for_step, state_sha256, weighted_lr_scale
 from ..learner.state_transfer import load_state_bytes, state_bytes
 from ..learner.trainer import LR_SCALE_KEY
 from .adopter import Adopter
@@ -309,28 +309,18 @@ class LineageRole:
             return
         t = time.perf_counter()
         batches, grads, stats, tokens = self._own_part(got)
+        lr = float(stats.get(LR_SCALE_KEY, 1.0))
+        own = Contributed(self.key, l.step, [b.batch_id for b in batches], tokens, lr, grads)
         parts = self.writer.gather(deadline_s=max(2.0, 2 * self.round_s) + 1.0)
-        taken: set[bytes] = set()
-        applied, combined = [], []
-        if tokens:
-            taken.update(b.batch_id for b in batches)
-            applied.append({"learner": self.key, "batch_ids": [b.batch_id for b in batches]})
-            combined.append((self.key, tokens, grads, float(stats.get(LR_SCALE_KEY, 1.0))))
-        for p in parts:
-            if not p.tokens or taken & set(p.batch_ids):  # a batch in two parts: the later part waits
-                continue
-            if l.ledger.in_lineage(p.batch_ids):  # never: a member hears every commit, or a state offer's ids
-                log.warning("lineage: %s's part names batches the lineage trained; left out",
-                            p.learner.hex()[:16])  # fmt: skip
-                continue
-            taken.update(p.batch_ids)
-            applied.append({"learner": p.learner, "batch_ids": p.batch_ids})
-            combined.append((p.learner, p.tokens, p.grads, p.lr_scale))
+        combined = parts_for_step([own, *parts], l.ledger.in_lineage)
         if not combined:  # a member's data was withdrawn meanwhile: nothing to step on
             self.writer.reopen()
             return
-        gradient, norm = combine_gradients([(k, n, g) for k, n, g, _ in combined], s.learner.grad_clip)
-        lr_scale = weighted_lr_scale([(n, x) for _, n, _, x in combined])
+        applied = [{"learner": p.learner, "batch_ids": p.batch_ids} for p in combined]
+        gradient, norm = combine_gradients(
+            [(p.learner, p.tokens, p.grads) for p in combined], s.learner.grad_clip
+        )
+        lr_scale = weighted_lr_scale([(p.tokens, p.lr_scale) for p in combined])
         data, sha = encode_gradient(gradient)
         version = l.step + 1
         due = l._due or version % s.learner.publish_every == 0 or version == l.opt.max_steps
@@ -339,7 +329,7 @@ class LineageRole:
             "version": version,
             "parent_state": self.state,
             "applied": applied,
-            "tokens": sum(n for _, n, _, _ in combined),
+            "tokens": sum(p.tokens for p in combined),
             "lr_scale": lr_scale,
             "grad_sha256": sha,
             "publish": publish,

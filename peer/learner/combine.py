@@ -10,9 +10,43 @@ group or sequence normalisers it weighs each learner's mean by its tokens, a clo
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+class Part(Protocol):
+    learner: bytes
+    batch_ids: list[bytes]
+    tokens: int
+
+
+P = TypeVar("P", bound=Part)
+
+
+def parts_for_step(parts: Iterable[P], trained: Callable[[list[bytes]], set[bytes]]) -> list[P]:
+    """The parts one version trains on, taken in the order given (the writer's own first). Left out: a part
+    without tokens; one naming a batch an earlier part names (it waits for the next step); one naming a
+    batch the lineage already trained (``trained(ids)``: those of ``ids`` it did; a member that heard every
+    commit never sends one, so this is logged as a fault)."""
+    taken: set[bytes] = set()
+    chosen: list[P] = []
+    for p in parts:
+        if not p.tokens or taken & set(p.batch_ids):
+            continue
+        if trained(p.batch_ids):
+            log.warning(
+                "lineage: %s's part names batches the lineage trained; left out", p.learner.hex()[:16]
+            )
+            continue
+        taken.update(p.batch_ids)
+        chosen.append(p)
+    return chosen
 
 
 def combine_gradients(
