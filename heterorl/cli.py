@@ -238,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("fsdp", "fsdp", "the learner update on 1 rank vs sharded (FSDP2) over N ranks: tokens/s, memory"),
         ("soak", "soak", "a long local swarm run, sampling every role's memory (it must stay flat)"),
         (
+            "chaos",
+            "chaos",
+            "a seeded fault campaign on learner peers (kills, pauses, a killed writer, cut links, lost "
+            "commits); invariants checked from the files they wrote",
+        ),
+        (
             "staleness",
             "staleness",
             "objectives × policy delays (to 256) × seeds on the tiny model: the current policy's held-out "

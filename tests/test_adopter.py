@@ -3,7 +3,7 @@ writer's signed manifests, whatever order the two arrive in."""
 
 from __future__ import annotations
 
-import json
+import hashlib
 
 import pytest
 import torch
@@ -35,7 +35,10 @@ def manifest(v: int, w: dict | None = None, by: Identity = WRITER) -> bytes:
 @pytest.fixture
 def adopter(tmp_path):
     store = ChunkStore(tmp_path / "chunks", 1 << 30, keep_latest=16)
-    return Adopter(RUN, WRITER.public_key, store, "float32", log_path=tmp_path / "lineage.jsonl")
+    rows: list[dict] = []
+    adopter = Adopter(RUN, WRITER.public_key, store, "float32", log=rows.append)
+    adopter.rows = rows
+    return adopter
 
 
 def keep(adopter: Adopter, v: int, w: dict | None = None) -> None:
@@ -46,7 +49,8 @@ def test_a_kept_version_whose_manifest_comes_agrees_and_is_stored(adopter, tmp_p
     keep(adopter, 3)
     assert adopter.adopt(manifest(3)) is True
     assert adopter.store.has_version(3) and adopter.published_version == 3
-    assert [json.loads(x)["agree"] for x in (tmp_path / "lineage.jsonl").read_text().splitlines()] == [True]
+    assert [(r["event"], r["version"], r["agree"]) for r in adopter.rows] == [("checked", 3, True)]
+    assert adopter.rows[0]["manifest"] == hashlib.sha256(manifest(3)).hexdigest()  # which signed bytes
 
 
 def test_other_weights_disagree_and_nothing_is_stored(adopter):

@@ -4,6 +4,7 @@ spot checker; what is held, released, dropped, banned and replayed."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import pytest
 
@@ -11,6 +12,7 @@ from heterorl.peer.learner.buffer import TrajectoryBuffer
 from heterorl.peer.learner.spotcheck import Verdict
 from heterorl.peer.learner.trust import LearnerTrust
 from heterorl.protocol import encode
+from heterorl.protocol.net.trajectories import Deferral
 from heterorl.protocol.settings import RunSettings
 from heterorl.protocol.storage.ledger import AcceptedLog
 from heterorl.protocol.wire.identity import Identity
@@ -21,7 +23,7 @@ RUN = "trust-unit"
 ALICE, BOB = Identity.generate(), Identity.generate()
 
 
-def body(n: int, version: int = 0, rows: int = 2, completion: int = 3) -> dict:
+def body(n: int, version: int = 0, rows: int = 2, completion: int = 3, **extra) -> dict:
     row = {
         "group": 0,
         "prompt_ids": [1, 2, 3 + n % 90],
@@ -34,6 +36,7 @@ def body(n: int, version: int = 0, rows: int = 2, completion: int = 3) -> dict:
         "policy_version": version,
         "timestamp": 1.7e9 + n,
         "rows": [{**row, "reward": 1.0} for _ in range(rows)],
+        **extra,
     }
 
 
@@ -228,3 +231,45 @@ def test_a_lineage_joiner_does_not_call_the_versions_published_while_it_was_away
     assert trust.admit(body(3, version=10), BOB.public_key) is None
     skipped = trust.admit(body(4, version=11), BOB.public_key)
     assert "claims version 11, which was never published" in str(skipped)
+
+
+class ManifestStore(Store):
+    """A store holding signed manifests (stand-in bytes: their sha256 is what a batch names)."""
+
+    def manifest(self, v):
+        return b"manifest of version %d" % v if v in self._versions else None
+
+
+def manifest_sha(v: int) -> bytes:
+    return hashlib.sha256(b"manifest of version %d" % v).digest()
+
+
+def test_a_batch_is_checked_against_the_exact_weights_it_names(tmp_path):
+    """A batch names the signed manifest it was sampled on: one this learner holds under the version it
+    claims passes; one held under another version is a lie (a strike); one this learner does not hold (a
+    version the lineage abandoned, pruned, or forged) is dropped without a strike and counted; one of a
+    version this learner has not reached yet waits."""
+    s = settings()
+    trust = LearnerTrust(
+        s, AcceptedLog(tmp_path / "accepted.sqlite"), TrajectoryBuffer(8), ManifestStore((0, 1, 2, 3)),
+        step=lambda: 3, published=lambda: 3, reward_check=lambda b, a: None, replica=None, pad_id=0,
+    )  # fmt: skip
+    assert trust.admit(body(1, version=2, manifest_sha256=manifest_sha(2)), ALICE.public_key) is None
+    lie = trust.admit(body(2, version=1, manifest_sha256=manifest_sha(3)), BOB.public_key)
+    assert "names the manifest of version 3" in str(lie) and trust.reputation.strikes()[BOB.public_key] == 1
+    abandoned = trust.admit(body(3, version=3, manifest_sha256=b"\x07" * 32), ALICE.public_key)
+    assert "does not hold" in str(abandoned) and ALICE.public_key not in trust.reputation.strikes()
+    ahead = trust.admit(body(4, version=5, manifest_sha256=b"\x08" * 32), ALICE.public_key)
+    assert isinstance(ahead, Deferral)  # it may get there: the sampler retries
+    far = trust.admit(body(5, version=500, manifest_sha256=b"\x09" * 32), ALICE.public_key)
+    assert "does not hold" in str(far) and ALICE.public_key not in trust.reputation.strikes()
+    assert trust.stats()["trust/abandoned_weights"] == 2
+
+
+def test_a_ban_another_learner_signed_is_honoured(tmp_path):
+    trust, ledger, buffer = make(tmp_path, checks=False)
+    assert arrive(trust, ledger, ALICE, 1) is None and len(buffer) == 1
+    trust.honour_ban(ALICE.public_key, "behaviour log-probs disagree", by=b"\x05" * 32)
+    assert "banned by learner 0505" in trust.reputation.bans()[ALICE.public_key]
+    assert len(buffer) == 0 and ledger.bans()  # its batches not trained on are gone, and the ban is durable
+    assert "banned" in str(arrive(trust, ledger, ALICE, 2))

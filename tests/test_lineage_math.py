@@ -1,19 +1,17 @@
-"""The learner peers' step in parts: each learner's gradient, the writer's reduction (token-weighted, key
-order, one clip), and the same bytes applied by every learner. Replicas that apply the same gradient bytes
-must end bit-identical, whatever their thread count: the lineage's weights_agree rests on it."""
+"""The learner peers' step in parts: each learner's gradient, the writer's bounded reduction (each part
+clipped, weighed by the tokens of its batches), the writer's AdamW step turned into an update, and that update
+added by every learner. Replicas that add the same update bytes must end bit-identical whatever optimiser
+kernel and thread count each runs: the lineage's one-set-of-weights-per-version rests on it."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
 from test_trainer import buffered, options
 
-from heterorl.peer.learner.combine import combine_gradients, parts_for_step, state_sha256, weighted_lr_scale
+from heterorl.peer.learner.combine import Accumulator, part_refusal, state_sha256
 from heterorl.peer.learner.rows import rows_from_batches
 from heterorl.peer.learner.trainer import Trainer
-from heterorl.protocol.net.lineage import Contributed
 from heterorl.protocol.wire.gradients import decode_gradient, encode_gradient, parameter_schema
 
 pytestmark = pytest.mark.fast
@@ -36,26 +34,44 @@ def grads(seed: int, shapes: dict) -> dict:
     return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
 
 
-def test_combine_is_the_token_weighted_mean_in_any_order_clipped_once():
+def test_the_step_is_the_token_weighted_mean_of_the_clipped_parts_and_refuses_what_is_not_finite():
     shapes = {"a": (3, 4), "b": (5,)}
-    parts = [(bytes([k]) * 32, tokens, grads(k, shapes)) for k, tokens in ((3, 10), (1, 30), (2, 5))]
-    out, norm = combine_gradients(parts, max_norm=0.0)
-    total = sum(t for _, t, _ in parts)
-    for n in shapes:  # float64 reference
-        ref = sum(g[n].double() * t / total for _, t, g in parts)
+    parts = [(tokens, grads(k, shapes), lr) for k, tokens, lr in ((3, 10, 1.0), (1, 30, 0.5), (2, 5, 1.0))]
+    norms = [float(torch.cat([g[n].flatten() for n in shapes]).norm()) for _, g, _ in parts]
+    clip = sorted(norms)[1]  # one part under the clip, two over it
+    acc = Accumulator(clip)
+    for tokens, g, lr in parts:
+        acc.add(tokens, {n: t.clone() for n, t in g.items()}, lr)
+    out, norm, lr = acc.result()
+    total = sum(t for t, _, _ in parts)
+    for n in shapes:  # float64 reference: each part clipped on its own, then weighed by its tokens
+        each = zip(parts, norms, strict=True)
+        scaled = [g[n].double() * min(1.0, clip / (nm + 1e-6)) * t for (t, g, _), nm in each]
+        ref = sum(scaled) / total
         torch.testing.assert_close(out[n].double(), ref, atol=1e-6, rtol=0)
-    ref_norm = torch.cat(
-        [sum(g[n].double() * t / total for _, t, g in parts).flatten() for n in shapes]
-    ).norm()
-    assert norm == pytest.approx(float(ref_norm), rel=1e-6)
-    for perm in itertools.permutations(parts):  # the same bytes whatever order they arrived in
-        again, _ = combine_gradients(list(perm), max_norm=0.0)
-        assert encode_gradient(again)[1] == encode_gradient(out)[1]
-    clipped, before = combine_gradients(parts, max_norm=norm / 4)
-    assert before == pytest.approx(norm)
-    after = torch.cat([clipped[n].flatten() for n in shapes]).norm()
-    assert float(after) == pytest.approx(norm / 4, rel=1e-5)
-    assert weighted_lr_scale([(10, 1.0), (30, 0.5)]) == pytest.approx(0.625)
+    assert norm <= clip * (1 + 1e-5)  # a mean of parts within the clip is within it
+    assert lr == pytest.approx((10 * 1.0 + 30 * 0.5 + 5 * 1.0) / 45)
+    assert acc.tokens == total and len(acc) == 3
+    bad = Accumulator(0.0)  # no clip: a huge part overflows the sum
+    bad.add(1, {"a": torch.full((2,), 3e38)})
+    bad.add(1, {"a": torch.full((2,), 3e38)})
+    with pytest.raises(ValueError, match="not finite"):
+        bad.result()
+    with pytest.raises(ValueError, match="no part"):
+        Accumulator(1.0).result()
+
+
+def test_a_part_is_bounded_by_its_batches():
+    """Tokens are those of the batches a part names, each within what one batch of the run holds; a
+    gradient needs batches and batches need a gradient; lr_scale at most 1; a batch named once."""
+    b = lambda i, tokens: (bytes([i]) * 16, bytes([i]) * 32, tokens)  # noqa: E731
+    assert part_refusal([b(1, 10), b(2, 64)], 1.0, True, batch_tokens=64) is None
+    assert part_refusal([], 1.0, False, 64) is None  # an empty part: nothing to say
+    assert "without batches" in part_refusal([], 1.0, True, 64)
+    assert "without a gradient" in part_refusal([b(1, 10)], 1.0, False, 64)
+    assert "65 tokens" in part_refusal([b(1, 65)], 1.0, True, 64)  # more than one batch of the run holds
+    assert "twice" in part_refusal([b(1, 10), b(1, 10)], 1.0, True, 64)
+    assert "lr_scale" in part_refusal([b(1, 10)], 1e6, True, 64)
 
 
 def test_gradient_frames_refuse_the_wrong_hash_shape_dtype_names_and_non_finite_values():
@@ -88,83 +104,92 @@ def test_gradient_frames_refuse_the_wrong_hash_shape_dtype_names_and_non_finite_
         decode_gradient(b"\x00" * 64, hashlib.sha256(b"\x00" * 64).digest(), schema)
 
 
-def test_two_learners_applying_the_same_bytes_stay_bit_identical_at_1_and_2_threads():
-    """Two replicas, each its own batches; the combined gradient applied by each (one at 1 thread, one at
-    2): after every step their float32 states hash the same. And one learner alone, through the parts,
-    takes the same step as Trainer.step."""
+def _adamw(kind: str):
+    """One of torch's AdamW kernels: "fused" (the learner's), "foreach" or "loop" (the per-tensor one)."""
+
+    def make(params, lr):
+        opts = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}[kind]
+        return torch.optim.AdamW(list(params), lr=lr, weight_decay=0.0, **opts)
+
+    return make
+
+
+def test_a_member_on_another_adamw_kernel_stays_bit_identical_for_50_versions():
+    """The writer (fused AdamW, 1 thread) commits the parameter update; a member running another AdamW
+    implementation (the per-tensor loop, 2 threads) adds it: their float32 weights hash the same after every
+    one of 50 versions, so no resync is ever needed. Applying the combined gradient through each one's own
+    AdamW instead (what learners did before) forks within a few steps: the test can tell."""
     before = torch.get_num_threads()
-    a, b = Trainer(model(), options(lr=1e-2), pad_id=0), Trainer(model(), options(lr=1e-2), pad_id=0)
-    assert state_sha256(a.named_trainable()) == state_sha256(b.named_trainable())
-    schema = parameter_schema(a.model.named_parameters())
+    w = Trainer(model(), options(lr=1e-2), pad_id=0, optimizer=_adamw("fused"))
+    m = Trainer(model(), options(lr=1e-2), pad_id=0, optimizer=_adamw("loop"))
+    own = Trainer(model(), options(lr=1e-2), pad_id=0, optimizer=_adamw("loop"))  # its own AdamW: forks
+    schema = parameter_schema(w.model.named_parameters())
+    forked = None
     try:
-        for step in range(3):
-            ra = rows_from_batches(buffered(2, version=step), pad_id=0)
-            rb = rows_from_batches(buffered(3, version=step)[1:], pad_id=0)
+        for step in range(50):
             torch.set_num_threads(1)
-            ga, _ = a.gradients(ra)
+            g, _ = w.gradients(rows_from_batches(buffered(2, version=step), pad_id=0))
+            acc = Accumulator(1.0)
+            acc.add(8, g)
+            combined, _, _ = acc.result()
+            update = w.commit_update(combined)
+            data, sha = encode_gradient({n: u.to(torch.float32) for n, u in update.items()})
+            gdata, gsha = encode_gradient(combined)
             torch.set_num_threads(2)
-            gb, _ = b.gradients(rb)
-            combined, _ = combine_gradients([(b"\x01" * 32, 8, ga), (b"\x02" * 32, 9, gb)], max_norm=1.0)
-            data, sha = encode_gradient(combined)
-            torch.set_num_threads(1)
-            a.apply(decode_gradient(data, sha, schema))
-            torch.set_num_threads(2)
-            b.apply(decode_gradient(data, sha, schema))
-            assert a.version == b.version == step + 1
-            assert state_sha256(a.named_trainable()) == state_sha256(b.named_trainable()), step
-        ref = Trainer(model(), options(lr=1e-2, grad_clip=1e9), pad_id=0)
-        parts = Trainer(model(), options(lr=1e-2, grad_clip=1e9), pad_id=0)
-        rows = rows_from_batches(buffered(2), pad_id=0)
-        ref.step(rows)
-        g, _ = parts.gradients(rows)
-        parts.apply(combine_gradients([(b"\x01" * 32, 1, g)], max_norm=0.0)[0])
-        for (n, p), (_, q) in zip(ref.named_trainable(), parts.named_trainable(), strict=True):
-            torch.testing.assert_close(p, q, rtol=0, atol=1e-7, msg=n)
+            m.apply_update(decode_gradient(data, sha, schema), decode_gradient(gdata, gsha, schema), step + 1)
+            assert m.version == w.version == step + 1
+            assert state_sha256(m.named_trainable()) == state_sha256(w.named_trainable()), step
+            for n, p in own.named_trainable():
+                p.grad = combined[n].clone()
+            own.optimizer.step()
+            if forked is None and state_sha256(own.named_trainable()) != state_sha256(w.named_trainable()):
+                forked = step
+        assert forked is not None and forked < 10, forked
+        # the member's moments came from the same gradients: it writes on with nearly the writer's steps
+        for (_, p), (_, q) in zip(w.optimizer.state.items(), m.optimizer.state.items(), strict=True):
+            torch.testing.assert_close(p["exp_avg_sq"], q["exp_avg_sq"], rtol=1e-4, atol=1e-10)
+            assert float(p["step"]) == float(q["step"]) == 50
     finally:
         torch.set_num_threads(before)
 
 
+def test_the_writers_update_is_its_adamw_step():
+    """commit_update moves the writer as its own optimiser step would (up to the one float rounding of
+    adding the update back), and a learner alone through the parts steps as Trainer.step does."""
+    ref = Trainer(model(), options(lr=1e-2, grad_clip=1e9), pad_id=0)
+    parts = Trainer(model(), options(lr=1e-2, grad_clip=1e9), pad_id=0)
+    rows = rows_from_batches(buffered(2), pad_id=0)
+    ref.step(rows)
+    g, _ = parts.gradients(rows)
+    parts.commit_update(g)
+    for (n, p), (_, q) in zip(ref.named_trainable(), parts.named_trainable(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-7, msg=n)
+
+
 def test_a_joining_learner_takes_the_writers_weights_and_adamw_state_and_steps_identically():
-    """state_bytes → load_state_bytes: the joiner's weights hash as the writer's, and the next step on the
-    same gradient leaves both bit-identical (the optimiser's moments and step came across). What does not fit
-    the model is refused."""
-    from heterorl.peer.learner.state_transfer import load_state_bytes, state_bytes
+    """state_bytes → load_state_bytes: the joiner's weights hash as the writer's, and the next update
+    leaves both bit-identical; as a writer next, it takes the writer's own step (the moments came across).
+    What does not fit the model is refused."""
     from heterorl.protocol import ProtocolError
 
     writer, joiner = Trainer(model(0), options(), pad_id=0), Trainer(model(1), options(), pad_id=0)
     for step in range(2):
         g, _ = writer.gradients(rows_from_batches(buffered(2, version=step), pad_id=0))
-        writer.apply(combine_gradients([(b"\x01" * 32, 1, g)], max_norm=1.0)[0])
-    snap = writer.snapshot("float32", with_state=True)
-    named = [(n, snap.model_state[n]) for n, _ in writer.named_trainable()]
-    weights, optimizer = state_bytes(named, snap.optimizer_state)
-    load_state_bytes(joiner, snap.version, weights, optimizer)
+        writer.commit_update(g)
+    weights, optimizer = writer.state_bytes()
+    joiner.load_state_bytes(writer.version, weights, optimizer)
     assert joiner.version == writer.version == 2
     assert state_sha256(joiner.named_trainable()) == state_sha256(writer.named_trainable())
     g, _ = writer.gradients(rows_from_batches(buffered(3, version=2), pad_id=0))
-    step, _ = combine_gradients([(b"\x01" * 32, 1, g)], max_norm=1.0)
-    writer.apply(step)
-    joiner.apply(step)
+    twin = Trainer(model(1), options(), pad_id=0)
+    twin.load_state_bytes(2, weights, optimizer)
+    update = writer.commit_update({n: t.clone() for n, t in g.items()})
+    joiner.apply_update(update, g, 3)
     assert state_sha256(joiner.named_trainable()) == state_sha256(writer.named_trainable())
+    twin.commit_update(g)  # the joiner as a writer: the same AdamW state, the same step
+    assert state_sha256(twin.named_trainable()) == state_sha256(writer.named_trainable())
     other = Trainer(model(0, hidden=64), options(), pad_id=0)
     with pytest.raises(ProtocolError, match="shape|float32|parameters"):
-        load_state_bytes(other, 2, weights, optimizer)
+        other.load_state_bytes(2, weights, optimizer)
     with pytest.raises(ProtocolError, match="safetensors"):
-        load_state_bytes(joiner, 2, b"garbage", optimizer)
-
-
-def test_a_step_takes_each_batch_once_and_never_one_the_lineage_trained(caplog):
-    """The writer's own part first; a part without tokens, one repeating a batch an earlier part named (it
-    waits for the next step) and one naming a batch the lineage already trained are left out."""
-    ids = [bytes([i]) * 16 for i in range(6)]
-
-    def part(key: bytes, batch: list[int], tokens: int = 5) -> Contributed:
-        return Contributed(key * 32, 3, [ids[i] for i in batch], tokens, 1.0, {} if tokens else None)
-
-    own, empty = part(b"a", [0, 1]), part(b"b", [], tokens=0)
-    again, trained, fresh = part(b"c", [1, 2]), part(b"d", [3, 4]), part(b"e", [5])
-    lineage = {ids[4]}
-    chosen = parts_for_step([own, empty, again, trained, fresh], lambda xs: lineage & set(xs))
-    assert chosen == [own, fresh]
-    assert "part names batches the lineage trained" in caplog.text
-    assert parts_for_step([again, own], lambda xs: set()) == [again]  # whichever came first
+        joiner.load_state_bytes(2, b"garbage", optimizer)

@@ -1,5 +1,6 @@
 """The sampler's Outbox and the learner's AcceptedLog: queueing, backoff, caps, persistence, kill safety."""
 
+import hashlib
 import os
 import random
 import select
@@ -463,23 +464,66 @@ def test_ledger_drop_and_bans_survive_a_reopen(tmp_path):
 
 def test_a_batch_the_lineage_trained_elsewhere_is_dropped_here_and_never_replayed(tmp_path):
     """Several learner peers: a sampler whose Ack was lost resends a batch to another learner. Once this
-    learner hears the lineage trained it (a Commit, or a state offer's ids), its own pending copy is dropped,
-    and survives a restart dropped; its own applied batches stay applied."""
+    learner hears the lineage trained it (a Commit, or a state offer's window) with the same bytes, its own
+    pending copy is dropped, and survives a restart dropped; its own applied batches stay applied. A commit
+    naming one of its batches with other bytes drops nothing (no member names others' batches away)."""
     path = tmp_path / "accepted.sqlite"
+    sha = lambda i: hashlib.sha256(b"x%d" % i).digest()  # noqa: E731
     with AcceptedLog(path) as lg:
         for i in range(4):
-            lg.accept(bid(i), b"alice", 1, b"x", 1.0)
+            lg.accept(bid(i), b"alice", 1, b"x%d" % i, 1.0)
         lg.mark_applied([bid(0)], 3)  # this learner's own part of version 3
-        assert lg.record_lineage([bid(0), bid(5)], 3, "trained at version 3") == []  # not pending here
-        assert lg.record_lineage([bid(1), bid(6)], 4, "trained at version 4") == [bid(1)]
-        assert lg.record_lineage([bid(1)], 5, "again") == []  # heard twice: dropped once
-        assert lg.in_lineage([bid(i) for i in range(7)]) == {bid(0), bid(1), bid(5), bid(6)}
-        assert set(lg.lineage_since(3, 10)) == {bid(1), bid(6)}
-        assert set(lg.lineage_since(2, 10)) == {bid(0), bid(1), bid(5), bid(6)}
-        assert len(lg.lineage_since(2, 3)) == 3 and set(lg.lineage_since(2, 2)) == {bid(1), bid(6)}  # newest
+        assert lg.record_lineage([(bid(0), sha(0)), (bid(5), sha(5))], 3, "trained at version 3") == []
+        assert lg.record_lineage([(bid(1), sha(1)), (bid(6), sha(6))], 4, "trained at version 4") == [bid(1)]
+        assert lg.record_lineage([(bid(1), sha(1))], 5, "again") == []  # heard twice: dropped once
+        assert lg.record_lineage([(bid(2), b"\x00" * 32)], 5, "censored") == []  # other bytes: kept
+        assert lg.in_lineage([bid(i) for i in range(7)]) == {bid(0), bid(1), bid(2), bid(5), bid(6)}
+        window, start = lg.lineage_window(10)
+        assert set(window) == {(bid(0), sha(0)), (bid(1), sha(1)), (bid(2), b"\x00" * 32), (bid(5), sha(5)),
+                               (bid(6), sha(6))} and start == 0  # fmt: skip
+        window, start = lg.lineage_window(2)  # the newest, whole versions: from version 5 on
+        assert start == 5 and {b for b, _ in window} == {bid(2)}
     with AcceptedLog(path) as lg:  # a restart replays neither the applied nor the trained-elsewhere batch
         assert [it.batch_id for it in lg.pending()] == [bid(2), bid(3)]
         assert lg.dropped()[bid(1)] == "trained at version 4"
         assert lg.in_lineage([bid(1)]) == {bid(1)}
         # a resent copy that arrives after the lineage trained it is a duplicate: acked, never stored
         assert lg.seen(bid(6)) and not lg.seen(bid(7))
+
+
+def test_a_joiner_keeps_what_the_lineage_trained_and_replays_what_only_an_abandoned_branch_trained(tmp_path):
+    """adopt_lineage: the state taken holds the window's batches (from ``trained_from`` on) and no other.
+    This learner's own: a pending copy of a trained batch is dropped; one it applied that the lineage also
+    trained stays applied; one it applied at a version the window covers that the lineage did not train (a
+    branch abandoned) is pending again and returned for replay; one applied before the window stays; one
+    whose payload was pruned is counted lost. unapply_after: a learner resuming from its own save."""
+    sha = lambda i: hashlib.sha256(b"x%d" % i).digest()  # noqa: E731
+    with AcceptedLog(tmp_path / "accepted.sqlite") as lg:
+        for i in range(6):
+            lg.accept(bid(i), b"alice", 1, b"x%d" % i, 1.0)
+        lg.mark_applied([bid(0)], 8)  # trained here and in the lineage
+        lg.mark_applied([bid(1)], 9)  # trained here only: an abandoned branch
+        lg.mark_applied([bid(2)], 3)  # before the window: assumed in the state
+        lg.mark_applied([bid(4)], 9)  # trained here only, and pruned below
+        lg.prune_applied(10)  # (as a save at 10 would: its payload is gone)
+        lg.record_lineage([(bid(9), sha(9))], 9, "old table")  # forgotten: the window replaces it
+        items, dropped, lost = lg.adopt_lineage(
+            [(bid(0), sha(0)), (bid(3), sha(3)), (bid(7), sha(7))], 20, trained_from=5, reason="trained there"
+        )
+        assert dropped == [bid(3)] and lost == 2  # bid(1) and bid(4) were pruned by the save at 10
+        assert items == []
+        assert lg.in_lineage([bid(i) for i in range(10)]) == {bid(0), bid(3), bid(7)}
+        window, start = lg.lineage_window(100)
+        assert sorted(window) == [(bid(0), sha(0)), (bid(3), sha(3)), (bid(7), sha(7))] and start == 5
+    with AcceptedLog(tmp_path / "b.sqlite") as lg:  # the same without pruning: replayed, not lost
+        for i in range(3):
+            lg.accept(bid(i), b"alice", 1, b"x%d" % i, 1.0)
+        lg.mark_applied([bid(0)], 8)
+        lg.mark_applied([bid(1)], 9)
+        items, dropped, lost = lg.adopt_lineage([(bid(0), sha(0))], 20, trained_from=5, reason="there")
+        assert [it.batch_id for it in items] == [bid(1)] and lost == 0 and dropped == []
+        assert [it.batch_id for it in lg.pending()] == [bid(1), bid(2)]
+        lg.mark_applied([bid(1)], 21)
+        lg.record_lineage([(bid(1), sha(1))], 21, "trained")
+        again = lg.unapply_after(20)  # resumed from a save at 20: version 21 is not in that state
+        assert [it.batch_id for it in again] == [bid(1)] and lg.in_lineage([bid(1)]) == set()

@@ -129,7 +129,7 @@ def lineage_summary(learners: list[Path]) -> dict:
     from heterorl.protocol.storage.ledger import AcceptedLog
 
     rows = {d.name: list(read_rows(d / "lineage.jsonl")) for d in learners}
-    published = {r["version"] for rs in rows.values() for r in rs if r.get("published")}
+    published = {r["version"] for rs in rows.values() for r in rs if r.get("event") == "published"}
     per, agree, checked, link_bytes, versions = {}, True, False, 0, 0
     for d in learners:
         final_path = d / "final_stats.json"
@@ -141,9 +141,9 @@ def lineage_summary(learners: list[Path]) -> dict:
             "lineage/link_bytes_received", 0
         )
         versions = max(versions, int(final.get("step", 0)))
-        checks = [r for r in rows[d.name] if "agree" in r]
+        checks = [r for r in rows[d.name] if r.get("event") == "checked"]
         agreed = {r["version"] for r in checks if r["agree"]}
-        own = {r["version"] for r in rows[d.name] if r.get("published")}
+        own = {r["version"] for r in rows[d.name] if r.get("event") == "published"}
         span = (min(agreed), max(agreed)) if agreed else (0, -1)
         missed = sorted(v for v in published - own if span[0] <= v <= span[1] and v not in agreed)
         per[d.name] = {

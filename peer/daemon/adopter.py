@@ -4,7 +4,8 @@ A member keeps the weights of every version the writer said it publishes (:meth:
 time). When the signed manifest of one arrives (:meth:`Adopter.adopt`), the member serialises its own weights
 exactly as the publisher does and compares the chunk hashes. A match means this learner holds the published
 bytes: its chunks and the writer's manifest go into its chunk store (its trust gate checks claims of that
-version against them) and ``lineage.jsonl`` records it. A mismatch is logged and counted, and recorded too.
+version against them) and ``log`` records it (``lineage.jsonl``: a ``checked`` row with the manifest's
+sha256). A mismatch is logged and counted, and recorded too.
 A manifest of a version this learner has not reached yet (the writer went on while its state travelled to a
 joiner) waits until the member keeps that version's weights.
 """
@@ -12,11 +13,9 @@ joiner) waits until the member keeps that version's weights.
 from __future__ import annotations
 
 import collections
-import json
+import hashlib
 import logging
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 from heterorl.protocol import decode
 from heterorl.protocol.storage.store import ChunkStore
@@ -25,7 +24,9 @@ from heterorl.protocol.wire.errors import ProtocolError
 
 log = logging.getLogger(__name__)
 
-KEPT = 8  # versions awaiting their manifest (the writer publishes one at a time: a few at most)
+KEPT = (
+    2  # versions awaiting their manifest (the writer publishes one at a time, announced with the next reply)
+)
 
 
 class Adopter:
@@ -37,10 +38,13 @@ class Adopter:
         dtype: str,
         *,
         on_adopted: Callable[[int, dict], None] | None = None,
-        log_path: Path | None = None,
+        log: Callable[[dict], None] | None = None,
+        on_signed: Callable[[int, bytes], None] | None = None,
     ):
+        """``on_adopted(version, weights)``: a version checked and stored; ``log(row)``: each check's row;
+        ``on_signed(version, sha256)``: every manifest the writer signed, held here or not."""
         self.run_id, self.writer_key, self.store, self.dtype = run_id, writer_key, store, dtype
-        self.on_adopted, self.log_path = on_adopted, log_path
+        self.on_adopted, self.log, self.on_signed = on_adopted, log, on_signed
         self._kept: collections.OrderedDict[int, dict] = collections.OrderedDict()
         self._early: dict[int, bytes] = {}  # manifests of versions not reached yet (at most KEPT)
         self._reached = -1  # the version kept last
@@ -71,6 +75,8 @@ class Adopter:
         if author != self.writer_key:
             raise ProtocolError("a manifest in the writer's reply not signed by the writer")
         v = body["version"]
+        if self.on_signed is not None:
+            self.on_signed(v, hashlib.sha256(raw).digest())
         if v > self._reached:  # not reached yet: checked when its weights are kept
             self._early[v] = raw
             while len(self._early) > KEPT:
@@ -102,9 +108,15 @@ class Adopter:
             log.error(
                 "version %d: this learner's weights do not serialise to the writer's signed manifest", v
             )
-        if self.log_path is not None:
-            with self.log_path.open("a") as f:
-                f.write(json.dumps({"version": v, "agree": agree, "time": time.time()}) + "\n")
+        if self.log is not None:
+            self.log(
+                {
+                    "event": "checked",
+                    "version": v,
+                    "manifest": hashlib.sha256(raw).hexdigest(),
+                    "agree": agree,
+                }
+            )
         return agree
 
     def stats(self) -> dict[str, float]:

@@ -7,6 +7,7 @@ by itself. Every publish also refreshes ``known_peers.json`` with the addresses 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -57,6 +58,7 @@ class StatusSnapshot:
     backend: str
     stats: dict[str, float]
     bans: dict[bytes, str] = dataclasses.field(default_factory=dict)  # a learner's banned authors and why
+    lineage: dict | None = None  # a lineage learner's term, whether it writes, applied and reserved versions
 
 
 class Status:
@@ -70,6 +72,7 @@ class Status:
     backend = _Locked()  # a sampler's rollout engine (``RolloutBackend.describe()``)
     stats = _Locked(copy=True)
     bans = _Locked(copy=True)
+    lineage = _Locked()
 
     def __init__(
         self,
@@ -87,6 +90,7 @@ class Status:
             backend=backend,
             stats=stats or {},
             bans={},
+            lineage=None,
         )
 
     def update(self, **fields) -> None:
@@ -110,10 +114,15 @@ class Status:
                 self._backend,
                 dict(self._stats),
                 dict(self._bans),
+                None if self._lineage is None else dict(self._lineage),
             )
 
 
 class Heartbeat:
+    """Publishes ``status()`` every ``interval_s`` (sooner after :meth:`kick`). ``on_stored(started, st)``
+    hears each heartbeat the DHT stored, with the monotonic time its store began (a lineage writer's lease
+    counts from there)."""
+
     def __init__(
         self,
         node: Node,
@@ -123,12 +132,15 @@ class Heartbeat:
         status: Callable[[], Status],
         state_dir: Path | None = None,
         interval_s: float = 2.0,
+        on_stored: Callable[[float, StatusSnapshot], None] | None = None,
     ):
         self.node, self.run_id, self.role, self.hardware = node, run_id, role, hardware
         self.status, self.state_dir, self.interval_s = status, state_dir, interval_s
+        self.on_stored = on_stored
         self.published = 0
         self.failures = 0
         self._last_peers = 0.0
+        self._kicked: asyncio.Event | None = None  # made on the loop, by run()
 
     def body(self, st: StatusSnapshot, maddrs: list[str]) -> dict:
         return {
@@ -144,15 +156,19 @@ class Heartbeat:
             "stats": pack_stats(st.stats),
             **({"backend": st.backend[:64]} if st.backend else {}),
             **({"bans": pack_bans(st.bans)} if st.bans else {}),
+            **({"lineage": st.lineage} if st.lineage is not None else {}),
         }
 
     async def publish_once(self) -> bool:
         # off the loop: a sampler's refresh counts its outbox (sqlite); then one consistent copy of it
         st = await asyncio.to_thread(lambda: self.status().snapshot())
         body = self.body(st, await self.node.addresses())
+        started = time.monotonic()
         ok = await self.node.publish("Heartbeat", body, HEARTBEAT_TTL_S)
         self.published += ok
         self.failures += not ok
+        if ok and self.on_stored is not None:
+            self.on_stored(started, st)
         if not ok or self.node.known_dht_peers() == 0:
             known = await asyncio.to_thread(known_peers, self.state_dir) if self.state_dir is not None else []
             answered = await self.node.rejoin(known)
@@ -168,8 +184,15 @@ class Heartbeat:
                 await asyncio.to_thread(remember_peers, self.state_dir, seen)
         return ok
 
+    def kick(self) -> None:
+        """Publish the next heartbeat now (any thread): what it says changed; others must learn it soon."""
+        if self._kicked is not None:
+            self.node.call_soon(self._kicked.set)
+
     async def run(self) -> None:
+        self._kicked = asyncio.Event()
         while True:
+            self._kicked.clear()
             try:
                 await self.publish_once()
             except asyncio.CancelledError:
@@ -177,4 +200,5 @@ class Heartbeat:
             except Exception as e:  # the DHT can be briefly unreachable; say so and keep beating
                 self.failures += 1
                 log.warning("heartbeat not published: %s", e)
-            await asyncio.sleep(self.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kicked.wait(), self.interval_s)

@@ -62,6 +62,29 @@ class LearnerOptions:
     wait_log_s: float = 10.0
 
 
+class SoloSteps:
+    """One learner's own steps (a run with one learner key): train on each assembled update."""
+
+    def __init__(self, learner: Learner):
+        self.l = learner
+        self.wait_s = learner.opt.wait_log_s
+        self._waited = 0.0
+
+    def step(self, got: Assembled | None) -> None:
+        l = self.l
+        if got is not None:
+            self._waited = 0.0
+            l.train(got)
+            return
+        keepalive = getattr(l.trainer, "keepalive", None)  # a rank leader's followers wait
+        if keepalive is not None and not l.rt.stop.is_set():
+            keepalive()
+        self._waited += self.wait_s
+        if self._waited >= l.opt.wait_log_s and not l.rt.stop.is_set():
+            log.info("waiting for trajectories (buffer %d batches)", len(l.buffer))
+            self._waited = 0.0
+
+
 class Learner:
     """The learner role on a :class:`~.runtime.PeerRuntime` (which serves its chunk store and beats)."""
 
@@ -76,7 +99,7 @@ class Learner:
         self.trainer, self.tok, self.world_size = setup.make_trainer(
             s, runtime.model_dir(), runtime.hw.device
         )
-        self._saved_step = setup.resume(self.trainer, s, self.state_dir, self.store)
+        self.saved_step = setup.resume(self.trainer, s, self.state_dir, self.store)
         self.ledger = AcceptedLog(self.state_dir / "accepted.sqlite")
         self.buffer = TrajectoryBuffer(s.learner.buffer_batches)
         self.reward_check = RewardCheck(
@@ -129,6 +152,8 @@ class Learner:
             deltas=s.learner.deltas,
             save_every_s=s.learner.save_every_s,
             on_published=self._on_published,
+            may_sign=lambda v: self.lineage.may_sign(v) if self.lineage is not None else None,
+            term=lambda: self.lineage.term_of_manifest() if self.lineage is not None else None,
         )
         self.stats = LearnerStats(
             step=lambda: self.step,
@@ -140,11 +165,14 @@ class Learner:
             buffer=self.buffer,
             world_size=self.world_size,
         )
-        self._due = False  # a version is due and waits for the publisher to be free
-        # several learner keys: one lineage of versions, the lowest key writes (learner_lineage.py)
+        self.publish_due = False  # a version is due and waits for the publisher to be free
+        # several learner keys: one lineage of versions, one writer per term (learner_lineage.py)
         self.lineage = LineageRole(self) if len(s.learner_keys) > 1 else None
-        # a lineage's state holds every batch a learner marked applied: only those never applied replay
-        self.stats.replayed = self.trust.replay(self._saved_step if self.lineage is None else None)
+        # what a step of this learner is: its own update, or its part in the lineage's
+        self.steps = self.lineage if self.lineage is not None else SoloSteps(self)
+        # a lineage learner replays now only batches never applied: those applied after its save wait until
+        # it knows the lineage's state (it may hold them: learner_lineage.py reconciles on join)
+        self.stats.replayed = self.trust.replay(self.saved_step if self.lineage is None else None)
 
     @property
     def step(self) -> int:
@@ -165,20 +193,31 @@ class Learner:
 
     # ---- checkpoints ----
 
-    def _publish_now(self, with_state: bool) -> None:
+    def publish_now(self, with_state: bool) -> None:
         """Publish the current version on this thread (at start and when leaving)."""
         t = time.perf_counter()
         snap = self.trainer.snapshot(self.settings.learner.checkpoint_dtype, with_state=with_state)
         self.publisher.publish_now(snap)
         self.stats.blocked_s += time.perf_counter() - t
 
-    def _offer_version(self) -> None:
+    def offer_version(self) -> None:
         """Hand the current version to the publisher if it is free; else it stays due (the next update's
         version is offered then: a publisher that falls behind skips to the newest)."""
         t = time.perf_counter()
         dtype = self.settings.learner.checkpoint_dtype
         if self.publisher.offer(lambda: self.trainer.snapshot(dtype, with_state=self.publisher.save_due())):
-            self._due = False
+            self.publish_due = False
+        self.stats.blocked_s += time.perf_counter() - t
+
+    def save_if_due(self) -> None:
+        """A lineage member's save (it publishes nothing): the state, when ``learner.save_every_s`` has passed
+        and the publisher is free."""
+        if not self.publisher.save_due():
+            return
+        t = time.perf_counter()
+        dtype = self.settings.learner.checkpoint_dtype
+        snap = lambda: dataclasses.replace(self.trainer.snapshot(dtype, with_state=True), publish=False)  # noqa: E731
+        self.publisher.offer(snap)
         self.stats.blocked_s += time.perf_counter() - t
 
     # ---- training (the main thread) ----
@@ -195,11 +234,15 @@ class Learner:
         self.ledger.mark_applied([b.batch_id for b in batches], step)
         self.stats.train_s += time.perf_counter() - t
         if step % self.settings.learner.publish_every == 0 or step == self.opt.max_steps:
-            self._due = True
-        if self._due:
-            self._offer_version()
+            self.publish_due = True
+        if self.publish_due:
+            self.offer_version()
+        self.record_update(step, batches, stats)
+
+    def record_update(self, step: int, batches: list, stats: dict, evaluate: bool = True) -> None:
+        """The metrics row of update ``step`` (and the held-out eval, when due and ``evaluate``)."""
         row = self.stats.updated(step, batches, stats)
-        self.rt.append_jsonl("metrics.jsonl", {**row, **setup.evaluate_if_due(self)})
+        self.rt.append_jsonl("metrics.jsonl", {**row, **(setup.evaluate_if_due(self) if evaluate else {})})
 
     def refresh_status(self) -> Status:
         lineage = self.lineage.stats() if self.lineage is not None else {}
@@ -207,17 +250,23 @@ class Learner:
             policy_version=self._published_version(),
             stats={**self.stats.heartbeat(), **lineage},
             bans=self.trust.reputation.bans(),
+            lineage=self.lineage.lineage_status() if self.lineage is not None else None,
         )
         return self.status
+
+    def heartbeat_stored(self, started: float, snapshot) -> None:
+        """The runtime stored a heartbeat (a lineage writer's lease counts from it)."""
+        if self.lineage is not None:
+            self.lineage.heartbeat_stored(started, snapshot)
 
     # ---- the role ----
 
     def start(self) -> None:
         s = self.settings
         setup.warn_if_unbounded_staleness(s)
-        if self.lineage is None or self.lineage.is_writer:  # a lineage member signs nothing: it checks
+        if self.lineage is None:  # a lineage's writer publishes once it knows it writes (learner_lineage.py)
             self.status.state = f"publishing version {self.step}"
-            self._publish_now(with_state=False)  # version 0 (or the step resumed at) before anyone samples
+            self.publish_now(with_state=False)  # version 0 (or the step resumed at) before anyone samples
         self.rt.start_thread("checkpoint publisher", self.publisher.run)
         self.rt.start_thread("batch assembler", self.assembler.run)
         if self.trust.spot_check is not None:
@@ -232,30 +281,19 @@ class Learner:
         )  # fmt: skip
 
     def loop(self) -> None:
-        if self.lineage is not None:
-            self.lineage.loop()
-            return
-        waited = 0.0
+        """Take the next assembled update (or nothing, after ``steps.wait_s``) and hand it to this learner's
+        steps: its own update, or its part in the lineage's."""
         while self.rt.running():
             if self.opt.max_steps is not None and self.step >= self.opt.max_steps:
                 log.info("reached %d updates; stopping", self.step)
                 return
             self.status.state = "waiting for trajectories"
             t = time.perf_counter()
-            got = self.assembler.take(timeout=self.opt.wait_log_s)
+            got = self.assembler.take(timeout=self.steps.wait_s)
             self.stats.wait_s += time.perf_counter() - t
-            if got is None:
-                keepalive = getattr(self.trainer, "keepalive", None)  # a rank leader's followers wait
-                if keepalive is not None and not self.rt.stop.is_set():
-                    keepalive()
-                waited += time.perf_counter() - t
-                if waited >= self.opt.wait_log_s and not self.rt.stop.is_set():
-                    log.info("waiting for trajectories (buffer %d batches)", len(self.buffer))
-                    waited = 0.0
-                continue
-            waited = 0.0
-            self.train(got)
-            if self.step % 10 == 0:
+            before = self.step
+            self.steps.step(got)
+            if self.step != before and self.step % 10 == 0:
                 last = self.stats.last
                 log.info(
                     "step %d: reward %.3f, staleness %.1f, ESS %.2f, buffer %d",
@@ -270,14 +308,19 @@ class Learner:
         self.assembler.close()
         self.publisher.close()  # it publishes what it holds, then ends
         self.publisher.wait_idle()
-        try:  # the last version, published and saved (a restart then redoes nothing)
+        try:  # the last version published and saved (a lineage member's: saved): a restart redoes nothing
             pub = self.publisher
             member = self.lineage is not None and not self.lineage.is_writer  # signs nothing
             if not member and (pub.published_version != self.step or pub.saved_version != self.step):
                 self.status.state = f"publishing version {self.step}"
-                self._publish_now(with_state=True)
+                self.publish_now(with_state=True)
+            elif member and pub.saved_version != self.step:
+                snap = self.trainer.snapshot(self.settings.learner.checkpoint_dtype, with_state=True)
+                pub.publish_now(dataclasses.replace(snap, publish=False))
         except Exception as e:
             log.warning("final checkpoint not published: %s", e)
+        if self.lineage is not None:
+            self.lineage.leave()
         self.trust.save()
         lineage = {"lineage": self.lineage.stats()} if self.lineage is not None else {}
         self.rt.write_final_stats({**self.stats.final(self.reward_check.rows_disagreeing), **lineage})

@@ -1,61 +1,81 @@
-"""A learner among several: the training loop of one lineage (:mod:`heterorl.protocol.net.lineage`).
+"""A learner among several: its part in one lineage of versions (:mod:`heterorl.protocol.net.lineage`).
 
-When the run lists several learner keys, every learner takes trajectories (samplers spread over them),
-keeps its own trust gate and ledger, and trains the one policy. The lowest key writes; the others are members.
-Each version is one step:
+When the run lists several learner keys, every learner takes trajectories (samplers spread over them), keeps
+its own trust gate and ledger, and trains the one policy. :class:`LineageRole` is the strategy
+:meth:`~.learner.Learner.loop` calls for each step (``step(got)``), whichever part this learner plays:
 
-- a member takes its next assembled update (or nothing, after a short wait), computes its gradient on the
-  current version and sends it to the writer, then applies the writer's Commit: the same gradient bytes for
-  everyone, and the batches of its own the step holds (marked applied; the others go back to its buffer);
-- the writer closes a step when it or a member has data: it waits for every connected member's part (or a
-  deadline), combines them (:func:`~heterorl.peer.learner.combine.combine_gradients`), signs the Commit with
-  the hash of the state it was taken on, sends it, applies it, and publishes as a single learner does.
+- a **member** computes its gradient on the current version from its next assembled update (or sends an empty
+  part), sends it to the writer, and applies the writer's Commit: the parameter update every learner adds, the
+  combined gradient its optimiser moments take, and the batches of its own the step holds (marked applied;
+  the ones the writer refused are dropped, never resent; the others go back to its buffer). It checks the
+  commit's parent state against its own weights and its own weights after the step against the commit's
+  state; a mismatch takes the writer's state again (a resync, counted);
+- the **writer** closes a step when it or a member has data: it waits for every connected member's part (or
+  a deadline), adds its own, takes the step (:meth:`~heterorl.peer.learner.trainer.Trainer.commit_update`),
+  signs the Commit and publishes as a single learner does, but only within its lease and reservation
+  (:class:`~heterorl.peer.learner.election.Lease`): a version is signed once, by a learner that holds it.
 
-Every member keeps the weights of each version the writer publishes (the Commit says which) and checks, when
-the signed manifest reaches it, that they serialise to exactly the manifest's chunks
-(:class:`~.adopter.Adopter`); a match is stored and serves its trust checks, a mismatch is logged and
-counted. A member also checks each Commit's parent state hash against its own weights; on a mismatch it
-takes the writer's state again (a resync, counted).
+Who writes (:func:`~heterorl.peer.learner.election.elect`, on the view a thread of its own keeps:
+:class:`~.lineage_view.LineageView`): a learner joins the live writer of the highest term; with no live
+writer, the live learner holding the newest state writes, in a term above any seen, numbering its first commit
+above every version any learner published or reserved. A writer that sees a higher term stops before it signs
+again, and joins. A learner that joins takes the writer's state when its own differs, and makes its ledger
+agree with it (:meth:`~heterorl.protocol.storage.ledger.AcceptedLog.adopt_lineage`): what the lineage trained
+is never trained here again, what only an abandoned branch trained is replayed.
 
-Who writes: a learner that starts (or loses its writer) looks at the run's live learners' heartbeats
-(:func:`~heterorl.protocol.net.lineage.find_lineage`). If one says it writes, it joins it (taking its state
-when its own differs: a restart, or a newcomer). If none does and no live learner has a lower key, it writes
-after :data:`ELECT_WAIT_S`, numbering its versions after the newest one any learner published. Batches a
-learner marked applied are in the lineage's state (it took that state), so a restart replays only those
-never applied.
+Every learner saves its state as the writer does (``learner.save_every_s``); after every learner restarts at
+once, the one holding the newest saved state writes and the others take it.
+
+``lineage.jsonl`` (one row per event, each with ``event`` and ``time``): ``state`` (the weights this learner
+holds now: at start, restored, offered), ``writer`` (it writes, a term), ``commit`` (a step applied: term,
+versions, parent and new state, batches), ``published`` (a version it signed, with the manifest's sha256) and
+``checked`` (a member's own weights against the writer's manifest). ``heterorl bench chaos`` checks the
+lineage's invariants from these files.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import json
 import logging
+import threading
 import time
 
+import torch
+
 from heterorl.protocol import ProtocolError, encode
-from heterorl.protocol.net.chunks import latest_manifest
-from heterorl.protocol.net.framing import FrameError
-from heterorl.protocol.net.lineage import Contributed, LineageLink, LineageWriter, LiveLearner, find_lineage
+from heterorl.protocol.net.lineage import (
+    LineageLink,
+    LineageWriter,
+    NamedBatch,
+    Part,
+    StateForJoiner,
+    WriterGone,
+)
+from heterorl.protocol.storage.files import atomic_write_json
+from heterorl.protocol.storage.jsonlog import append_row
 from heterorl.protocol.wire.gradients import encode_gradient, parameter_schema
+from heterorl.protocol.wire.messages import MAX_TRAINED_IDS
 
 from ..learner.assembler import Assembled
-from ..learner.combine import combine_gradients, parts_for_step, state_sha256, weighted_lr_scale
-from ..learner.state_transfer import load_state_bytes, state_bytes
-from ..learner.trainer import LR_SCALE_KEY
+from ..learner.combine import Accumulator, part_refusal, state_sha256
+from ..learner.election import FRESH_S, Decision, Lease, Me, elect, lead
+from ..learner.trainer import LR_SCALE_KEY, LineageTrainer
 from .adopter import Adopter
-from .learner_setup import evaluate_if_due
+from .lineage_view import LineageView
 
 log = logging.getLogger(__name__)
 
 TAKE_S = 0.2  # a learner's wait for its own next update before it looks at the lineage again
-START_WAIT_S = 30.0  # the writer's wait, before its first step, for the other live learners to join
-# at start, no live learner says it writes and none has a lower key: this long, then this one writes (the
-# lowest listed key waits the shorter time; the others give it time to appear in the DHT); after its writer
-# left, a learner elects at once
-ELECT_WAIT_S = 5.0
-ELECT_WAIT_OTHERS_S = 30.0
-CHECK_WRITERS_S = 2.0  # how often a writer looks for another writer (two elected at once: one steps down)
-LOOKUP_S = 30.0  # one look in the DHT for the run's live learners
-FIND_S = 120.0  # how long a learner looks for a writer to join (or the right to write) before it gives up
+ELECT_AFTER_S = 5.0  # at start, a learner looks at the swarm this long before it decides who writes
+SETTLE_S = 180.0  # how long a learner looks for a writer to join (or the right to write) before it gives up
+LEASE_WAIT_S = 0.25  # a writer whose lease does not cover its next version waits this long, and looks again
+STATES_KEPT = 64  # version -> state hash of the newest versions (a published row names its version's state)
+TRAINED_KEPT = MAX_TRAINED_IDS  # the lineage table's window: what a joiner reconciles against
+DROPPED_ELSEWHERE = "trained by another learner of the lineage"
+CHAOS_ENV = "HETERORL_CHAOS"  # a fault campaign's hooks (heterorl bench chaos): commit frames lost or delayed
+CHAOS_FILE = "chaos-fault"
 
 
 class WeightsDisagree(RuntimeError):
@@ -63,133 +83,258 @@ class WeightsDisagree(RuntimeError):
 
 
 class LineageRole:
-    """The lineage half of a :class:`~.learner.Learner` whose run lists several learner keys."""
+    """The lineage half of a :class:`~.learner.Learner` whose run lists several learner keys; the strategy
+    its loop calls (see the module docstring). Uses the learner's public parts only."""
+
+    wait_s = TAKE_S  # the learner loop's wait for its next update before it calls step(None)
 
     def __init__(self, learner):
-        self.l = learner
         s = learner.settings
         if learner.world_size > 1 or s.adapter is not None:
             raise ValueError(
                 "several learner keys: each learner runs on one device (no --nproc) and trains all the "
                 "weights (no adapter run) for now"
             )
+        if not isinstance(learner.trainer, LineageTrainer):
+            raise TypeError(f"{type(learner.trainer).__name__} cannot train in a lineage")
+        self.l, self.s, self.trainer = learner, s, learner.trainer
         self.key = learner.identity.public_key
-        self.schema = parameter_schema(learner.trainer.named_trainable())
-        self.writer = LineageWriter(learner.identity, s.run_id, s.learner_keys, self.schema)
+        self.schema = parameter_schema(self.trainer.named_trainable())
+        self.batch_tokens = s.limits.max_batch_rows * s.sampling.max_new_tokens
+        self.acc = Accumulator(s.learner.grad_clip)
+        self.writer = LineageWriter(
+            learner.identity,
+            s.run_id,
+            s.learner_keys,
+            self.schema,
+            refusal=lambda batches, lr, grad: part_refusal(batches, lr, grad, self.batch_tokens),
+            vet=self._vet,
+            accumulate=lambda part, grads: self.acc.add(part.tokens, grads, part.lr_scale),
+        )
+        self.view = LineageView(
+            learner.node, s.run_id, s.learner_keys, self.key, on_look=self._looked, on_bans=self._peer_bans
+        )
+        self.adopter = Adopter(
+            s.run_id, b"", learner.store, s.learner.checkpoint_dtype, on_adopted=self._adopted,
+            log=self._log_row, on_signed=learner.trust.manifests.note,
+        )  # fmt: skip
+        self._meta_path = learner.state_dir / "lineage.json"
+        meta = _read_json(self._meta_path)
+        self.term = int(meta.get("term", 0))  # the highest term this learner knows
+        self.reserved_seen = int(meta.get("reserved", -1))  # the highest version any writer reserved
         self.link: LineageLink | None = None
         self.writer_key = b""
-        self.adopter = Adopter(
-            s.run_id,
-            b"",
-            learner.store,
-            s.learner.checkpoint_dtype,
-            on_adopted=learner.trust.published,
-            log_path=learner.state_dir / "lineage.jsonl",
-        )
-        self.steps_led = 0  # versions this learner's data went into
-        self.resyncs = self.takeovers = self.conflicts = 0
-        self.dropped_trained = 0  # batches this learner held that another learner trained
-        self._checked_writers = 0.0
+        self.lease: Lease | None = None  # while this learner writes
+        self.first_version = 0  # a new writer's first commit number (above every reservation it saw)
+        self.rival_floor = 0  # a writer of the same term seen: commit above its reservation
+        self._reserved = -1
+        self._pace: collections.deque[float] = collections.deque(maxlen=32)  # commit times (versions/s)
+        self._initial_publish = False
+        self.states: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self.state = b""  # sha256 of the float32 weights at the current version
+        self.steps_led = self.resyncs = self.takeovers = self.conflicts = self.fenced = 0
+        self.dropped_trained = self.replayed = self.lost = self.abandoned_parts = 0
         self.link_bytes = [0, 0]  # sent, received over links to writers closed since
         self.round_s = 0.0
-        self.state = b""  # sha256 of the float32 weights at the current version
+        self._lock = threading.Lock()
+
+    # ---- what others see ----
 
     @property
     def is_writer(self) -> bool:
         return self.writer.active
 
-    # ---- who writes ----
+    def lineage_status(self) -> dict:
+        """The heartbeat's ``lineage`` field: this learner's term, whether it writes, the version it holds and
+        (a writer) the highest version it may commit before the next heartbeat."""
+        applied = self.trainer.version
+        if self.is_writer:
+            rate = len(self._pace) / max(1e-3, self._pace[-1] - self._pace[0]) if len(self._pace) > 1 else 0.0
+            nxt = max(applied + 1, self.first_version, self.rival_floor)
+            self._reserved = max(self._reserved, nxt - 1 + lead(rate, 2.0))
+            reserved = self._reserved
+        else:
+            reserved = applied
+        return {"term": self.term, "writes": self.is_writer, "applied": applied, "reserved": reserved}
+
+    def heartbeat_stored(self, started: float, snapshot) -> None:
+        """A heartbeat of this learner's was stored (the runtime's hook): a writer's lease counts from it."""
+        lin, lease = snapshot.lineage, self.lease
+        if lin is not None and lin["writes"] and lease is not None and lin["term"] == lease.term:
+            lease.stored(started, lin["reserved"])
+
+    def _looked(self, started: float, changed: bool) -> None:
+        """After each look at the swarm (the view's thread): learn the terms and reservations seen; a writer
+        is fenced by a higher term, holds back while a rival of its own term is live, or confirms its lease.
+        """
+        seen = self.view.seen()
+        top_term = max([self.term, *(x.term for x in seen)])
+        reserved = max([self.reserved_seen, *(x.reserved for x in seen if x.writes)])
+        if (top_term, reserved) != (self.term, self.reserved_seen):
+            self.term, self.reserved_seen = top_term, reserved
+            self._save_meta()
+        lease = self.lease
+        if lease is None or lease.fenced is not None:
+            return
+        me = (lease.term, -int.from_bytes(self.key, "big"))
+        rivals = [x for x in seen if x.fresh and x.writes and x.term >= lease.term and not x.leaving]
+        above = [x for x in rivals if (x.term, -int.from_bytes(x.key, "big")) > me]
+        if above or top_term > lease.term:
+            lease.fence(f"a writer in term {top_term} ({above[0].key.hex()[:16] if above else 'seen'})")
+            return
+        if rivals:  # a rival of this term that has not seen this writer yet: commit above its reservation
+            self.rival_floor = max(self.rival_floor, *(x.reserved + 1 for x in rivals))
+            return
+        if changed and self.view.live():
+            lease.confirmed(started)
+
+    def _peer_bans(self, learner: bytes, bans: dict[bytes, str]) -> None:
+        """Bans another learner of the run signed into its heartbeat: honoured here (one ban for the run)."""
+        for author, reason in bans.items():
+            self.l.trust.honour_ban(author, reason, by=learner)
+
+    # ---- start, elect, join, write ----
 
     def start(self) -> None:
         l = self.l
         l.node.call(self.writer.attach(l.node))
-        self.state = state_sha256(l.trainer.named_trainable())
-        self._join_or_write()
+        l.rt.start_thread("lineage view", lambda: self.view.run(l.rt.stop))
+        self.state = state_sha256(self.trainer.named_trainable())
+        self._keep_state(self.trainer.version, self.state)
+        how = "restore" if l.saved_step is not None else "start"
+        self._log_row({"event": "state", "term": self.term, "version": self.trainer.version,
+                       "state": self.state.hex(), "how": how})  # fmt: skip
+        self._settled = False  # the first step settles (the heartbeat runs by then: others see this learner)
 
-    def _join_or_write(self, gone: frozenset = frozenset()) -> None:
-        """Join the live writer, or write if none is live and no live learner has a lower key (``gone``:
-        learners known to have left, whose heartbeats may not have expired yet)."""
-        l, s = self.l, self.l.settings
-        started = end = time.monotonic()
-        end += FIND_S
-        wait = ELECT_WAIT_S if self.key == min(s.learner_keys) else ELECT_WAIT_OTHERS_S
-        while l.rt.running() and time.monotonic() < end:
-            found = self._live()  # None: the DHT did not answer; never elect on no view
-            if not l.rt.running():  # told to stop while it looked (a Ctrl-C ends the writer's daemon too)
-                return
-            live = [x for x in found or () if x.address.key != self.key and x.address.key not in gone]
-            writing = [x for x in live if x.writes]
-            if found is None:
-                pass
-            elif writing:
-                try:
-                    self._join(writing[0])
-                    return
-                except (ConnectionError, ProtocolError, TimeoutError) as e:
-                    log.info("lineage: could not join %s: %s", writing[0].address.key.hex()[:16], e)
-            elif not any(x.address.key < self.key for x in live) and (
-                gone or time.monotonic() - started >= wait  # a writer left: no one to wait for
-            ):
-                try:
-                    self._write()
-                    return
-                except TimeoutError as e:  # the newest published version not known: never sign one twice
-                    log.warning("lineage: %s; looking again", e)
-            l.status.state = "looking for the lineage's writer"
-            l.rt.stop.wait(1.0)
-        if l.rt.running():
-            raise ConnectionError(f"found no lineage writer to join in {FIND_S:g} s")
-
-    def _write(self) -> None:
-        """Become the writer at this learner's version (after the newest any learner published)."""
-        l, s = self.l, self.l.settings
-        found = l.node.call(latest_manifest(l.node, s.run_id, s.learner_keys), timeout=60)
-        newest = found[1]["version"] if found else -1
-        if newest > l.step:  # a writer that left published further: never sign a version twice
-            l.trainer.renumber(newest)
-        if self.link is not None:
-            self._drop_link()
-            self.takeovers += 1
-        self.writer.activate(l.step, self.state)
-        self.writer_key = self.key
-        if self.published_version() < l.step:  # samplers need this version before anyone steps
-            l.status.state = f"publishing version {l.step}"
-            l._publish_now(with_state=False)
-            self._log_published(l.step)
-        log.info("lineage: this learner writes, from version %d", l.step)
-
-    def _live(self) -> list[LiveLearner] | None:
-        """The run's live learners (heartbeats in the DHT); None when the DHT did not answer in time (a
-        loaded machine, a peer that just died): the caller looks again rather than acting on no view."""
-        l, s = self.l, self.l.settings
-        try:
-            live = l.node.call(find_lineage(l.node, s.run_id, s.learner_keys), timeout=LOOKUP_S)
-        except TimeoutError as e:
-            log.warning("lineage: the run's learners not found in the DHT (%s); looking again", e)
-            live = None
-        return live
-
-    def _join(self, writer: LiveLearner) -> None:
-        """Join ``writer``'s lineage: the hellos, its state if this learner's differs, then the manifests
-        published so far (checked)."""
-        l, s = self.l, self.l.settings
-        key = writer.address.key
-        link = LineageLink(l.node, l.identity, s.run_id, key, self.schema)
-        offered = link.open(writer.address.peer_id, writer.address.maddrs, l.step, self.state)
-        if offered is not None:
-            load_state_bytes(l.trainer, offered.version, offered.weights, offered.optimizer)
-            self.state = state_sha256(l.trainer.named_trainable())
-            if self.state != offered.state:
-                raise ProtocolError("the offered weights, loaded, do not hash to the offered state")
-            log.info("lineage: took %s's state at version %d", key.hex()[:16], l.step)
-            self._trained(offered.trained, offered.version, "by")
-            l.trust.saw_versions_from(offered.version)  # those published while it was away: not held here
+    def settle(self, first: bool = False) -> None:
+        """Join the live writer, or write: loop on :func:`elect` until one of them is done (``first``: at
+        start, look at the swarm for :data:`ELECT_AFTER_S` before deciding anything)."""
+        l = self.l
         self._drop_link()
+        self.view.fast.set()
+        started = time.monotonic()
+        try:
+            while l.rt.running() and time.monotonic() - started < SETTLE_S:
+                self.view.wake()
+                l.rt.stop.wait(0.5)
+                if first and (time.monotonic() - started < ELECT_AFTER_S or self.view.looks < 2):
+                    l.status.state = "looking at the swarm"
+                    continue
+                d = self._decide()
+                if d.action == "join":
+                    l.status.state = f"joining {d.key.hex()[:16]}'s lineage"
+                    if self._join(d.key):
+                        return
+                elif d.action == "write":
+                    self._write(d)
+                    return
+                else:
+                    who = f" for {d.key.hex()[:16]}" if d.key else ""
+                    l.status.state = f"waiting{who}: {d.reason}"[:64]
+            if l.rt.running():
+                raise ConnectionError(
+                    f"found no lineage writer to join, nor the right to write, in {SETTLE_S:g} s"
+                )
+        finally:
+            self.view.fast.clear()
+
+    def _decide(self) -> Decision:
+        me = Me(
+            self.key,
+            self.trainer.version,
+            self.term,
+            self.is_writer,
+            newest_known=max(self.view.newest_published(), self.reserved_seen, *self.l.store.versions(), -1),
+        )
+        return elect(self.view.seen(), me, self.view.live())
+
+    def _write(self, d: Decision) -> None:
+        """Write in term ``d.term`` from the state this learner holds; its first commit is
+        ``d.first_version``."""
+        l = self.l
+        was_member = self.link is not None or self.writer_key not in (b"", self.key)
+        self._drop_link()
+        self.term, self.first_version, self.rival_floor, self._reserved = d.term, d.first_version, 0, -1
+        self._save_meta()
+        self._replay(l.ledger.unapply_after(self.trainer.version))  # (a restart: what its state lacks)
+        self.lease = Lease(d.term, held=self.trainer.version)
+        self.writer.activate(d.term, self.trainer.version, self.state)
+        self.writer_key = self.adopter.writer_key = self.key
+        self.takeovers += was_member
+        # version 0 of a fresh run is every learner's: the first writer publishes it, once nobody has
+        self._initial_publish = self.trainer.version == 0 and d.first_version == 1 and not l.store.versions()
+        self._log_row({"event": "writer", "term": d.term, "first_version": d.first_version,
+                       "held": self.trainer.version})  # fmt: skip
+        l.rt.kick_heartbeat()
+        log.info("lineage: this learner writes in term %d, from version %d (first commit %d)", d.term,
+                 self.trainer.version, d.first_version)  # fmt: skip
+
+    def _step_down(self, why: str) -> None:
+        if self.lease is not None:
+            self.lease.fence(why)
+        self.writer.deactivate(why)
+        self.lease = None
+        self.fenced += 1
+        self.l.rt.kick_heartbeat()
+        log.warning("lineage: this learner stops writing: %s", why)
+
+    def _join(self, key: bytes) -> bool:
+        """Join ``key``'s lineage: the hellos, its state if this learner's differs (and the ledger made to
+        agree with it), then the manifests published so far (checked). False if it could not."""
+        l, s = self.l, self.s
+        address = self.view.address(key)
+        if address is None:
+            return False
+        link = LineageLink(l.node, l.identity, s.run_id, key, self.schema)
+        try:
+            offered = link.open(address.peer_id, address.maddrs, self.trainer.version, self.state, self.term)
+        except Exception as e:  # a dead or unreachable writer (libp2p's dial errors have types of their own)
+            log.info("lineage: could not join %s: %s: %s", key.hex()[:16], type(e).__name__, str(e)[:200])
+            link.close()
+            return False
+        if offered is not None:
+            try:
+                self.trainer.load_state_bytes(offered.version, offered.weights, offered.optimizer)
+                self.state = state_sha256(self.trainer.named_trainable())
+                if self.state != offered.state:
+                    raise ProtocolError("the offered weights, loaded, do not hash to the offered state")
+            except ProtocolError as e:
+                log.warning("lineage: %s's state refused: %s", key.hex()[:16], e)
+                link.close()
+                return False
+            self._keep_state(offered.version, self.state)
+            self._log_row({"event": "state", "term": link.term, "version": offered.version,
+                           "state": self.state.hex(), "how": "offer"})  # fmt: skip
+            items, dropped, lost = l.ledger.adopt_lineage(
+                offered.trained, offered.version, offered.trained_from, DROPPED_ELSEWHERE
+            )
+            self.dropped_trained += len(dropped)
+            self.lost += lost
+            self._replay(items)
+            l.trust.saw_versions_from(offered.version)  # those published while it was away: not held here
+            log.info(
+                "lineage: took %s's state at version %d (of this learner's batches, %d dropped: trained "
+                "there; %d replayed: only an abandoned branch trained them; %d lost: pruned)",
+                key.hex()[:16], offered.version, len(dropped), len(items), lost,
+            )  # fmt: skip
+        else:
+            self._replay(l.ledger.unapply_after(self.trainer.version))
         self.link, self.writer_key, self.adopter.writer_key = link, key, key
-        self.adopter.keep(l.step, l.trainer.snapshot(s.learner.checkpoint_dtype, with_state=False))
+        self.term = max(self.term, link.term)
+        self._save_meta()
+        self.adopter.keep(
+            self.trainer.version, self.trainer.snapshot(s.learner.checkpoint_dtype, with_state=False)
+        )
         for raw in link.manifests:
-            self.adopter.adopt(raw)
-        log.info("lineage: member of %s's lineage at version %d", key.hex()[:16], l.step)
+            self._adopt(raw)
+        log.info("lineage: member of %s's lineage (term %d) at version %d", key.hex()[:16], link.term,
+                 self.trainer.version)  # fmt: skip
+        return True
+
+    def _replay(self, items) -> None:
+        if items:
+            self.replayed += len(items)
+            self.l.trust.readmit(items)
 
     def _drop_link(self) -> None:
         if self.link is not None:
@@ -198,248 +343,401 @@ class LineageRole:
             self.link.close()
             self.link = None
 
-    def published(self, version: int) -> None:
-        """This learner published ``version``: its manifest goes to every member with their next reply."""
-        raw = self.l.store.manifest(version)
-        if raw is not None and self.is_writer:
-            self.writer.add_manifest(version, raw)
+    # ---- the steps (the training thread) ----
 
-    def published_version(self) -> int:
-        return max(self.adopter.published_version, self.l.publisher.published_version)
-
-    # ---- the loop ----
-
-    def loop(self) -> None:
-        l = self.l
+    def step(self, got: Assembled | None) -> None:
+        """One step of this learner's part in the lineage (the learner loop's strategy)."""
+        if not self._settled:
+            self._return(got)
+            self.settle(first=True)
+            self._settled = True
+            return
         if self.is_writer:
-            self._wait_for_members()
-        while l.rt.running():
-            if l.opt.max_steps is not None and l.step >= l.opt.max_steps:
-                log.info("reached %d updates; stopping", l.step)
-                return
-            l.status.state = "waiting for trajectories"
-            t = time.perf_counter()
-            got = l.assembler.take(timeout=TAKE_S)
-            l.stats.wait_s += time.perf_counter() - t
-            if self.is_writer:
-                self._serve_state()
-                self._write_step(got)
-                self._yield_to_another_writer()
-                continue
-            try:
-                self._member_step(got)
-            except (ConnectionError, EOFError, ProtocolError, TimeoutError, WeightsDisagree) as e:
-                if l.rt.stop.is_set():
-                    return
-                # a stream cut mid-frame or gone silent is a writer that left (killed, or its link died),
-                # not a disagreement: elect without it rather than resync with it
-                gone = isinstance(e, (ConnectionError, EOFError, TimeoutError)) or (
-                    isinstance(e, FrameError) and e.kind in ("truncated", "timeout")
-                )
-                log.warning("lineage: %s (%s); %s", type(e).__name__, e, "electing" if gone else "resyncing")
-                self.resyncs += not gone
-                self._join_or_write(frozenset({self.writer_key}) if gone else frozenset())
-
-    def _yield_to_another_writer(self) -> None:
-        """Two learners that elected themselves at once (a heartbeat not yet seen): the one further behind
-        (lower published version; on a tie the higher key) stops writing and joins the other."""
-        if time.monotonic() - self._checked_writers < CHECK_WRITERS_S:
+            self._write_step(got)
             return
-        self._checked_writers = time.monotonic()
-        live = self._live() or []
-        mine = (self.published_version(), -int.from_bytes(self.key, "big"))
-        ahead = [x for x in live if x.writes and x.address.key != self.key
-                 and (x.version, -int.from_bytes(x.address.key, "big")) > mine]  # fmt: skip
-        if not ahead:
-            return
-        log.warning(
-            "lineage: %s writes too (version %d, this learner %d); this learner steps down",
-            ahead[0].address.key.hex()[:16],
-            ahead[0].version,
-            mine[0],
-        )
-        self.writer.deactivate()
-        self.conflicts += 1
         try:
-            self._join(ahead[0])
-        except (ConnectionError, ProtocolError, TimeoutError) as e:
-            log.info("lineage: could not join %s (%s); electing", ahead[0].address.key.hex()[:16], e)
-            self._join_or_write()
-
-    def _wait_for_members(self) -> None:
-        """Before the first step: the live learners join (or :data:`START_WAIT_S` passes)."""
-        l = self.l
-        end = time.monotonic() + START_WAIT_S
-        while l.rt.running() and time.monotonic() < end:
-            live = self._live()
-            want = {x.address.key for x in live or ()} - {self.key}
-            if live is not None and want <= set(self.writer.members()):
+            self._member_step(got)
+        except (ConnectionError, EOFError, ProtocolError, TimeoutError, WeightsDisagree) as e:
+            if self.l.rt.stop.is_set():
                 return
-            self._serve_state()
-            l.status.state = f"waiting for learners ({len(self.writer.members())} of {len(want)} joined)"
-            l.rt.stop.wait(0.5)
+            log.warning("lineage: %s (%s); %s", type(e).__name__, e,
+                        "resyncing" if isinstance(e, WeightsDisagree) else "electing")  # fmt: skip
+            self.resyncs += isinstance(e, WeightsDisagree)
+            if isinstance(e, WeightsDisagree):  # take the writer's state again
+                self.state = b"resync"
+            self.settle()
+
+    def _own_part(self, got: Assembled | None, leave_out: set[bytes] = frozenset()):
+        """This learner's batches (less banned authors', those the lineage trained and those in
+        ``leave_out``), their gradient and stats; or ([], None, {})."""
+        l = self.l
+        batches = l.trust.without_banned(got.batches) if got is not None else []
+        elsewhere = l.ledger.in_lineage(b.batch_id for b in batches)
+        if elsewhere or leave_out:  # trained by another learner (a sampler resent it there), or named already
+            for b in batches:
+                if b.batch_id in leave_out and b.batch_id not in elsewhere:
+                    l.buffer.put(b)
+            batches = [b for b in batches if b.batch_id not in elsewhere and b.batch_id not in leave_out]
+        if not batches:
+            return [], None, {}
+        rows = got.rows if len(batches) == len(got.batches) else l.assembler.rows(batches)
+        l.status.state = f"computing a gradient (step {self.trainer.version + 1})"
+        grads, stats = self.trainer.gradients(rows)
+        if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
+            log.error("lineage: this learner's own gradient is not finite; its %d batches wait", len(batches))
+            for b in batches:
+                l.buffer.put(b)
+            return [], None, {}
+        return batches, grads, stats
+
+    def _write_step(self, got: Assembled | None) -> None:
+        l, s = self.l, self.s
+        d = self._decide()
+        if d.action == "join" or (self.lease is not None and self.lease.fenced is not None):
+            self._return(got)
+            self._step_down(d.reason if d.action == "join" else self.lease.fenced)
+            self.settle()
+            return
+        self._serve_state()
+        version = max(self.trainer.version + 1, self.first_version, self.rival_floor)
+        if self._initial_publish and self.lease.why_not(self.trainer.version) is None:
+            self._initial_publish = False
+            l.status.state = "publishing version 0"
+            l.publish_now(with_state=False)
+        why = self.lease.why_not(version)
+        if why is not None:
+            self._return(got)
+            l.status.state = "waiting for the writer's lease"
+            l.rt.stop.wait(LEASE_WAIT_S)
+            return
+        if got is None and not self.writer.wait_for_data(0.0):
+            return
+        t = time.perf_counter()
+        batches, grads, stats = self._own_part(got, leave_out=self.writer.named())
+        gathered = self.writer.gather(deadline_s=max(2.0, 2 * self.round_s) + 1.0)
+        if batches and gathered.named & {b.batch_id for b in batches}:  # a member named one meanwhile
+            self._return_batches(batches)
+            batches, grads, stats = [], None, {}
+        own: list[NamedBatch] = [(b.batch_id, b.sha256, b.tokens) for b in batches]
+        if self.lease.why_not(version) is not None:  # it ran out meanwhile: members' parts wait in the sum
+            self._return_batches(batches)
+            self.writer.reopen()
+            return
+        if batches:
+            self.acc.add(sum(t for _, _, t in own), grads, min(1.0, float(stats.get(LR_SCALE_KEY, 1.0))))
+        if not len(self.acc):  # nothing to step on
+            self.writer.reopen()
+            return
+        try:
+            combined, norm, lr_scale = self.acc.result()
+        except ValueError as e:
+            self._return_batches(batches)
+            self._abandon_round(str(e))
+            return
+        parts = [*gathered.parts, *([Part(self.key, self.trainer.version, own, 1.0)] if own else [])]
+        applied = [
+            {"learner": p.learner, "batches": [{"batch_id": b, "sha256": h} for b, h, _ in p.batches]}
+            for p in parts
+        ]
+        parent, parent_state = self.trainer.version, self.state
+        self.trainer.renumber(version - 1)  # a new writer's first commit may skip numbers: never signed
+        update = self.trainer.commit_update(combined, lr_scale)
+        self.state = state_sha256(self.trainer.named_trainable())
+        self._keep_state(version, self.state)
+        update_bytes, update_sha = encode_gradient({n: u.to("cpu", torch.float32) for n, u in update.items()})
+        grad_bytes, grad_sha = encode_gradient(combined)
+        due = l.publish_due or version % s.learner.publish_every == 0 or version == l.opt.max_steps
+        publish = due and l.publisher.idle()
+        fields = {
+            "term": self.lease.term,
+            "version": version,
+            "parent_version": parent,
+            "parent_state": parent_state,
+            "state": self.state,
+            "applied": applied,
+            "tokens": self.acc.tokens,
+            "lr_scale": lr_scale,
+            "update_sha256": update_sha,
+            "grad_sha256": grad_sha,
+            "publish": publish,
+        }
+        trained = [(b, h) for p in parts for b, h, _ in p.batches]
+        self._log_commit(fields, trained, "writer")
+        # marked before the commit goes out: a writer killed in between replays them after its restart unless
+        # the lineage it rejoins trained them (the ledger reconciles on join)
+        l.ledger.mark_applied([b.batch_id for b in batches], version)
+        self._trained(trained, version)
+        self.acc = Accumulator(s.learner.grad_clip)  # before the next round opens: members' parts go there
+        self._chaos_hook(parent, parent_state)
+        self.writer.commit(fields, update_bytes, grad_bytes)
+        self._pace.append(time.monotonic())
+        l.stats.train_s += time.perf_counter() - t
+        took = time.perf_counter() - t
+        self.round_s = 0.8 * self.round_s + 0.2 * took if self.round_s else took
+        l.publish_due = due and not publish
+        if publish:
+            l.offer_version()
+        self._record(version, batches, {**stats, "grad_norm": norm}, len(parts))
+
+    def _abandon_round(self, why: str) -> None:
+        """The step's sum cannot be committed: members waiting hear it (their streams close: they rejoin)."""
+        log.error("lineage: step abandoned: %s", why)
+        self.acc = Accumulator(self.s.learner.grad_clip)
+        term, version, state = self.lease.term, self.trainer.version, self.state
+        self.writer.deactivate(f"the step was abandoned: {why}")
+        self.writer.activate(term, version, state)
+
+    def _return(self, got: Assembled | None) -> None:
+        if got is not None:
+            self._return_batches(got.batches)
+
+    def _return_batches(self, batches) -> None:
+        for b in batches:
+            self.l.buffer.put(b)
+
+    def _member_step(self, got: Assembled | None) -> None:
+        l, s = self.l, self.s
+        link = self.link
+        if link is None:
+            raise WriterGone("no writer")
+        higher = [
+            x for x in self.view.seen() if x.fresh and x.writes and x.term > link.term and not x.leaving
+        ]
+        if higher:
+            self._return(got)
+            raise WriterGone(f"a writer in term {higher[0].term} fences this one's ({link.term})")
+        t = time.perf_counter()
+        batches, grads, stats = self._own_part(got)
+        data = sha = None
+        if batches:
+            data, sha = encode_gradient(grads)
+        body = {
+            "run_id": s.run_id,
+            "term": link.term,
+            "version": self.trainer.version,
+            "batches": [{"batch_id": b.batch_id, "sha256": b.sha256, "tokens": b.tokens} for b in batches],
+            "lr_scale": min(1.0, float(stats.get(LR_SCALE_KEY, 1.0))),
+            "grad_sha256": sha or b"",
+        }
+        l.status.state = f"waiting for the writer (step {self.trainer.version + 1})"
+        try:
+            reply = link.exchange(encode("Contribution", body, l.identity), data)
+        except BaseException:
+            self._return_batches(batches)  # not in any commit this learner heard of: the next step takes them
+            raise
+        for raw in reply.body["manifests"]:
+            self._adopt(raw)
+        if reply.kind == "LineageWait":
+            refused = reply.body.get("refused")
+            self._refused(batches, refused)
+            return
+        c = reply.body
+        if c["parent_version"] != self.trainer.version or c["parent_state"] != self.state:
+            self._return_batches(batches)
+            self.adopter.mismatched += c["parent_state"] != self.state
+            raise WeightsDisagree(
+                f"the writer's commit {c['version']} is on version {c['parent_version']}, this learner holds "
+                f"{self.trainer.version}{'' if c['parent_state'] == self.state else ' with other weights'}"
+            )
+        trained = [(bytes(b["batch_id"]), bytes(b["sha256"])) for a in c["applied"] for b in a["batches"]]
+        self._log_commit(c, trained, "member")
+        mine = {bytes(b["batch_id"]) for a in c["applied"] if a["learner"] == self.key for b in a["batches"]}
+        used = [b for b in batches if b.batch_id in mine]
+        l.ledger.mark_applied([b.batch_id for b in used], c["version"])  # the lineage holds them now
+        dropped = set(self._trained(trained, c["version"]))  # resent to another learner, trained there
+        self.trainer.apply_update(reply.update, reply.gradient, c["version"])
+        self.state = state_sha256(self.trainer.named_trainable())
+        self._keep_state(c["version"], self.state)
+        self._return_batches(b for b in batches if b.batch_id not in mine | dropped)
+        if self.state != c["state"]:
+            raise WeightsDisagree(f"after commit {c['version']} this learner's weights are not the writer's")
+        if c["publish"]:
+            self.adopter.keep(
+                c["version"], self.trainer.snapshot(s.learner.checkpoint_dtype, with_state=False)
+            )
+        l.stats.train_s += time.perf_counter() - t
+        l.save_if_due()
+        self._record(c["version"], used, stats if used else {}, len(c["applied"]))
+
+    def _refused(self, batches, refused: dict | None) -> None:
+        """The writer left this learner's part out for good (its reason): those batches are dropped, never
+        resent; the others go back to the buffer."""
+        ids = {bytes(b) for b in (refused or {}).get("batch_ids", [])}
+        if ids:
+            reason = f"the lineage's writer refused them: {refused['reason']}"
+            self.l.ledger.drop(ids, reason, time.time())
+            self.abandoned_parts += 1
+            log.warning("lineage: %d batches dropped: %s", len(ids), reason)
+        self._return_batches(b for b in batches if b.batch_id not in ids)
+
+    def _trained(self, batches: list[tuple[bytes, bytes]], version: int) -> list[bytes]:
+        """The lineage trained ``batches`` at ``version``: recorded; this learner's own pending copies of them
+        (a sampler resent one whose Ack it lost) are dropped, never trained twice."""
+        dropped = self.l.ledger.record_lineage(batches, version, f"{DROPPED_ELSEWHERE} at version {version}")
+        if dropped:
+            self.dropped_trained += len(dropped)
+            log.info("lineage: %d batches this learner holds were trained by another learner at version %d; "
+                     "dropped", len(dropped), version)  # fmt: skip
+        if version % 64 == 0:
+            self.l.ledger.prune_lineage(TRAINED_KEPT)
+        return dropped
+
+    def _vet(self, learner: bytes, batches: list[NamedBatch]) -> str | None:
+        """The writer's own judgement of the batches a member's part names (the network's worker thread)."""
+        ledger = self.l.ledger
+        if ledger.in_lineage(b for b, _, _ in batches):
+            return "it names batches the lineage trained"
+        for b, h, tokens in batches:
+            item = ledger.get(b)
+            if item is None or not item.data:
+                continue
+            if hashlib.sha256(item.data).digest() != h:
+                return f"it names batch {b.hex()[:16]} with other bytes than this learner's copy"
+            mine = sum(len(r["completion_ids"]) for r in _rows(item.data, self.s.run_id))
+            if mine != tokens:
+                return f"it says batch {b.hex()[:16]} holds {tokens} tokens; it holds {mine}"
+        return None
 
     def _serve_state(self) -> None:
         """A joining learner waits for this writer's state: a snapshot between two steps."""
         if not self.writer.state_wanted():
             return
-        l = self.l
-        snap = l.trainer.snapshot(l.settings.learner.checkpoint_dtype, with_state=True)
-        named = [(n, snap.model_state[n]) for n, _ in l.trainer.named_trainable()]
-        weights, optimizer = state_bytes(named, snap.optimizer_state)
-        self.writer.offer_state(snap.version, self.state, weights, optimizer, l.ledger.lineage_since)
+        weights, optimizer = self.trainer.state_bytes()
+        window, trained_from = self.l.ledger.lineage_window(TRAINED_KEPT)
+        state = StateForJoiner(self.lease.term, self.trainer.version, self.state, weights, optimizer, window,
+                               trained_from)  # fmt: skip
+        self.writer.offer_state(lambda _since: state)
 
-    def _own_part(self, got: Assembled | None):
-        """This learner's batches (less banned authors'), their gradient, stats and tokens; or Nones."""
-        l = self.l
-        batches = l.trust.without_banned(got.batches) if got is not None else []
-        elsewhere = l.ledger.in_lineage(b.batch_id for b in batches)
-        if elsewhere:  # trained by another learner (a sampler resent it there): dropped when that was heard
-            batches = [b for b in batches if b.batch_id not in elsewhere]
-        if not batches:
-            return [], None, {}, 0
-        rows = got.rows if len(batches) == len(got.batches) else l.assembler.rows(batches)
-        l.status.state = f"computing a gradient (step {l.step + 1})"
-        grads, stats = l.trainer.gradients(rows)
-        return batches, grads, stats, int(rows.mask.sum())
+    # ---- publishing ----
 
-    def _write_step(self, got: Assembled | None) -> None:
-        l, s = self.l, self.l.settings
-        if got is None and not self.writer.wait_for_data(0.0):
+    def may_sign(self, version: int) -> str | None:
+        """Why this learner may not sign ``version`` now (the publisher asks just before it signs), or None:
+        only the writer, within its lease and reservation, for a version whose state it holds."""
+        lease = self.lease
+        if lease is None or not self.is_writer:
+            return "this learner does not write the lineage"
+        if version != self.trainer.version and version not in self.states:
+            return f"version {version} is not a state this writer committed"
+        return lease.why_not(version)
+
+    def term_of_manifest(self) -> int | None:
+        return self.lease.term if self.lease is not None else None
+
+    def published(self, version: int) -> None:
+        """This learner signed ``version``: its manifest goes to every member with their next reply."""
+        raw = self.l.store.manifest(version)
+        if raw is None:
             return
-        t = time.perf_counter()
-        batches, grads, stats, tokens = self._own_part(got)
-        lr = float(stats.get(LR_SCALE_KEY, 1.0))
-        own = Contributed(self.key, l.step, [b.batch_id for b in batches], tokens, lr, grads)
-        parts = self.writer.gather(deadline_s=max(2.0, 2 * self.round_s) + 1.0)
-        combined = parts_for_step([own, *parts], l.ledger.in_lineage)
-        if not combined:  # a member's data was withdrawn meanwhile: nothing to step on
-            self.writer.reopen()
-            return
-        applied = [{"learner": p.learner, "batch_ids": p.batch_ids} for p in combined]
-        gradient, norm = combine_gradients(
-            [(p.learner, p.tokens, p.grads) for p in combined], s.learner.grad_clip
+        if self.is_writer:
+            self.writer.add_manifest(version, raw)
+        self._log_row({"event": "published", "term": self.term_of_manifest() or self.term, "version": version,
+                       "manifest": hashlib.sha256(raw).hexdigest(),
+                       "state": self.states.get(version, b"").hex()})  # fmt: skip
+
+    def published_version(self) -> int:
+        """The newest version this learner holds as published: signed here, checked against the writer's
+        manifest, or in its chunk store from before a restart."""
+        held = self.l.store.versions()
+        return max(
+            self.adopter.published_version, self.l.publisher.published_version, held[-1] if held else -1
         )
-        lr_scale = weighted_lr_scale([(p.tokens, p.lr_scale) for p in combined])
-        data, sha = encode_gradient(gradient)
-        version = l.step + 1
-        due = l._due or version % s.learner.publish_every == 0 or version == l.opt.max_steps
-        publish = due and l.publisher.idle()
-        fields = {
-            "version": version,
-            "parent_state": self.state,
-            "applied": applied,
-            "tokens": sum(p.tokens for p in combined),
-            "lr_scale": lr_scale,
-            "grad_sha256": sha,
-            "publish": publish,
+
+    def _adopt(self, raw: bytes) -> None:
+        self.adopter.adopt(raw)
+
+    def _adopted(self, version: int, weights: dict) -> None:
+        self.l.trust.published(version, weights)
+
+    # ---- records ----
+
+    def _keep_state(self, version: int, state: bytes) -> None:
+        self.states[version] = state
+        while len(self.states) > STATES_KEPT:
+            self.states.popitem(last=False)
+
+    def _log_commit(self, c: dict, trained: list[tuple[bytes, bytes]], role: str) -> None:
+        row = {
+            "event": "commit",
+            "term": c["term"],
+            "version": c["version"],
+            "parent_version": c["parent_version"],
         }
-        # marked before the commit goes out: a writer killed in between loses these batches, never trains
-        # them twice (its restart replays only batches never marked)
-        l.ledger.mark_applied([b.batch_id for b in batches], version)
-        self._trained([i for a in applied for i in a["batch_ids"]], version, "at")
-        self.writer.commit(fields, data)
-        l.trainer.apply(gradient, lr_scale)
-        self.state = state_sha256(l.trainer.named_trainable())
-        self.writer.set_state(version, self.state)
-        l.stats.train_s += time.perf_counter() - t
-        self.round_s = (
-            0.8 * self.round_s + 0.2 * (time.perf_counter() - t) if self.round_s else time.perf_counter() - t
-        )
-        l._due = due and not publish
-        if publish:
-            l._offer_version()
-            self._log_published(version)
-        self._record(version, batches if tokens else [], {**stats, "grad_norm": norm}, len(combined))
+        row |= {"parent_state": c["parent_state"].hex(), "state": c["state"].hex(), "role": role}
+        self._log_row({**row, "batches": [b.hex() for b, _ in trained], "writer": self.writer_key.hex()})
 
-    def _member_step(self, got: Assembled | None) -> None:
-        l, s = self.l, self.l.settings
-        t = time.perf_counter()
-        batches, grads, stats, tokens = self._own_part(got)
-        data = sha = None
-        if tokens:
-            data, sha = encode_gradient(grads)
-        body = {
-            "run_id": s.run_id,
-            "version": l.step,
-            "batch_ids": [b.batch_id for b in batches] if tokens else [],
-            "tokens": tokens,
-            "lr_scale": float(stats.get(LR_SCALE_KEY, 1.0)),
-            "grad_sha256": sha or b"",
-        }
-        l.status.state = f"waiting for the writer (step {l.step + 1})"
-        try:
-            kind, reply, gradient = self.link.exchange(encode("Contribution", body, l.identity), data)
-        except BaseException:
-            for b in batches:  # not in any commit this learner heard of: the next step takes them
-                l.buffer.put(b)
-            raise
-        for raw in reply["manifests"]:
-            self.adopter.adopt(raw)
-        if kind == "LineageWait":
-            return
-        version = reply["version"]
-        if version != l.step + 1 or reply["parent_state"] != self.state:
-            for b in batches:
-                l.buffer.put(b)
-            self.adopter.mismatched += reply["parent_state"] != self.state
-            raise WeightsDisagree(f"the writer's commit {version} is not on this learner's version {l.step}")
-        mine = {bytes(i) for a in reply["applied"] if a["learner"] == self.key for i in a["batch_ids"]}
-        used = [b for b in batches if b.batch_id in mine]
-        l.ledger.mark_applied([b.batch_id for b in used], version)  # the lineage holds them now
-        trained = [bytes(i) for a in reply["applied"] for i in a["batch_ids"]]
-        dropped = set(self._trained(trained, version, "at"))  # resent to another learner, trained there
-        l.trainer.apply(gradient, reply["lr_scale"])
-        self.state = state_sha256(l.trainer.named_trainable())
-        for b in batches:
-            if b.batch_id not in mine | dropped:  # the step closed without this part: the next one takes it
-                l.buffer.put(b)
-        if reply["publish"]:
-            self.adopter.keep(version, l.trainer.snapshot(s.learner.checkpoint_dtype, with_state=False))
-        l.stats.train_s += time.perf_counter() - t
-        self._record(version, used, stats if used else {}, len(reply["applied"]))
+    def _log_row(self, row: dict) -> None:
+        append_row(self.l.state_dir / "lineage.jsonl", {**row, "time": time.time()})
 
-    def _trained(self, batch_ids: list[bytes], version: int, how: str) -> list[bytes]:
-        """The lineage trained ``batch_ids`` (``how`` "at" or "by" ``version``): recorded; this learner's own
-        pending copies of them (a sampler resent one whose Ack it lost) are dropped, never trained twice."""
-        dropped = self.l.ledger.record_lineage(
-            batch_ids, version, f"trained by another learner of the lineage {how} version {version}"
-        )
-        if dropped:
-            self.dropped_trained += len(dropped)
-            log.info("lineage: %d batches this learner holds were trained by another learner %s version %d;"
-                     " dropped", len(dropped), how, version)  # fmt: skip
-        return dropped
-
-    def _log_published(self, version: int) -> None:
-        """The versions every member keeps and checks (``lineage.jsonl``; a member's says what it found)."""
-        with (self.l.state_dir / "lineage.jsonl").open("a") as f:
-            f.write(json.dumps({"version": version, "published": True, "time": time.time()}) + "\n")
+    def _save_meta(self) -> None:
+        atomic_write_json(self._meta_path, {"term": self.term, "reserved": self.reserved_seen})
 
     def _record(self, version: int, batches: list, stats: dict, parts: int) -> None:
-        l = self.l
         self.steps_led += bool(batches)
-        row = l.stats.updated(version, batches, {**stats, "lineage/parts": parts})
-        l.rt.append_jsonl("metrics.jsonl", {**row, **(evaluate_if_due(l) if self.is_writer else {})})
+        self.l.record_update(version, batches, {**stats, "lineage/parts": parts}, evaluate=self.is_writer)
 
-    # ---- what it did ----
+    def _chaos_hook(self, parent: int, parent_state: bytes) -> None:
+        """``heterorl bench chaos``: a commit frame lost (every member's stream cut as the commit goes out) or
+        delayed, once, when the campaign asks (only under :data:`CHAOS_ENV`)."""
+        import os
+
+        if not os.environ.get(CHAOS_ENV):
+            return
+        path = self.l.state_dir / CHAOS_FILE
+        try:
+            fault = json.loads(path.read_text())
+            path.unlink()
+        except (OSError, ValueError):
+            return
+        log.warning("chaos: %s", fault)
+        if fault.get("kind") == "delay":
+            time.sleep(float(fault.get("s", 3.0)))
+        elif fault.get("kind") == "drop":  # the members' streams close before the commit reaches them
+            self.writer.deactivate("chaos: the commit frame is lost")
+            self.writer.activate(self.lease.term, parent, parent_state)
+
+    # ---- leaving ----
+
+    def leave(self) -> None:
+        """The learner leaves: a writer stops writing (its members elect at once), after it published."""
+        if self.is_writer:
+            self.writer.deactivate("this learner leaves")
+            self.lease = None
 
     def stats(self) -> dict[str, float]:
         out = {
             "lineage/writer": float(self.is_writer),
+            "lineage/term": self.term,
             "lineage/steps_with_my_data": self.steps_led,
             "lineage/resyncs": self.resyncs,
             "lineage/takeovers": self.takeovers,
-            "lineage/writer_conflicts": self.conflicts,
+            "lineage/fenced": self.fenced,
             "lineage/dropped_trained_elsewhere": self.dropped_trained,
+            "lineage/replayed_from_abandoned": self.replayed,
+            "lineage/lost_pruned": self.lost,
+            "lineage/parts_dropped": self.abandoned_parts,
             **self.writer.stats(),
         }
         now = (self.link.bytes_sent, self.link.bytes_received) if self.link is not None else (0, 0)
         out["lineage/link_bytes_sent"] = self.link_bytes[0] + now[0]
         out["lineage/link_bytes_received"] = self.link_bytes[1] + now[1]
-        if self.adopter is not None:
-            out.update(self.adopter.stats())
+        out.update(self.adopter.stats())
         return out
 
     def close(self) -> None:
         self._drop_link()
+
+
+def _rows(data: bytes, run_id: str) -> list[dict]:
+    from heterorl.protocol import decode
+
+    return decode(data, "TrajectoryBatch", run_id=run_id)[1]["rows"]
+
+
+def _read_json(path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+_ = FRESH_S  # documented above: how long a silent writer is waited for

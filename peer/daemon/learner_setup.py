@@ -102,10 +102,10 @@ def resume(trainer: TrainerLike, settings: RunSettings, state_dir: Path, store) 
         log.info("resumed from my own state at step %d", trainer.version)
     saved = trainer.version
     newest = max(store.versions(), default=-1)
-    if newest > saved and len(settings.learner_keys) > 1:  # learner peers: the lineage's state comes on join
+    if newest > saved and len(settings.learner_keys) > 1:  # learner peers: the lineage settles it
         log.info("versions %d..%d were published after my last save (step %d): this learner takes the "
-                 "lineage's state when it joins", saved + 1, newest, saved)  # fmt: skip
-        trainer.renumber(newest)
+                 "lineage's newest state when it joins, or numbers its commits above them when it writes",
+                 saved + 1, newest, saved)  # fmt: skip
     elif newest > saved:
         log.warning(
             "versions %d..%d were published after my last save (step %d): their updates are redone from the "

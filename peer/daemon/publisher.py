@@ -77,10 +77,16 @@ class Publisher:
         deltas: int,
         save_every_s: float = 0.0,
         on_published: Callable[[int, dict], None] | None = None,
+        may_sign: Callable[[int], str | None] | None = None,
+        term: Callable[[], int | None] | None = None,
     ):
         """``save_every_s``: :meth:`save_due` asks for a snapshot with the state this often (0: always);
-        ``on_published(version, weights)`` hears each version published (the spot checker keeps a few)."""
-        self.on_published = on_published
+        ``on_published(version, weights)`` hears each version published (the spot checker keeps a few).
+        Learner peers: ``may_sign(version)`` says why this learner may not sign ``version`` now (asked just
+        before the signature and just after it: a version is signed once, by its lineage's writer, within its
+        lease), ``term()`` the writer's term each manifest carries."""
+        self.on_published, self.may_sign, self.term = on_published, may_sign, term
+        self.refused_to_sign = 0
         self.run_id, self.identity, self.store, self.ledger = run_id, identity, store, ledger
         self.announcer, self.state_root = announcer, state_root
         self.checkpoint_dtype, self.deltas, self.save_every_s = checkpoint_dtype, deltas, save_every_s
@@ -193,6 +199,9 @@ class Publisher:
             Trainer.save(self.state_root, snap, {"run_id": self.run_id})
             self.ledger.prune_applied(snap.version)  # a restart resumes here: older payloads never replay
             self._saved_at, self.saved_version = time.monotonic(), snap.version
+        if not snap.publish:  # a lineage member's save: it signs nothing
+            self.seconds.update({"save": time.perf_counter() - t0, "cpu": time.thread_time() - cpu})
+            return
         t1 = time.perf_counter()
         v = snap.version
         raw, body = self.store.manifest(v), self.store.body(v)
@@ -202,11 +211,18 @@ class Publisher:
             older = [x for x in self.store.versions() if x < v]
             parent = self.published_version if self.published_version >= 0 else max(older, default=-1)
             body, chunks = manifest_body(self.run_id, v, parent, data, self.checkpoint_dtype)
+            term = self.term() if self.term is not None else None
+            if term is not None:
+                body["term"] = term
             if self.deltas:
                 chunks += self._deltas(body, older, data, snap.weights)
+            if self._refuses(v):
+                return
+            raw = encode("CheckpointManifest", body, self.identity)
+            if self._refuses(v):  # it lost the right while signing (a pause): the signature never leaves
+                return
             for h, c in zip(referenced_hashes(body), chunks, strict=True):
                 self.store.put(h, c)
-            raw = encode("CheckpointManifest", body, self.identity)
             self._recent.append((v, hashlib.sha256(data).digest(), snap.weights))
         elif manifest_body(self.run_id, v, body["parent_version"], data, self.checkpoint_dtype)[0][
             "chunk_hashes"
@@ -226,6 +242,13 @@ class Publisher:
         self.seconds.update(
             {"save": t1 - t0, "build": t2 - t1, "announce": t3 - t2, "cpu": time.thread_time() - cpu}
         )
+
+    def _refuses(self, version: int) -> bool:
+        why = self.may_sign(version) if self.may_sign is not None else None
+        if why is not None:
+            self.refused_to_sign += 1
+            log.warning("version %d not signed: %s", version, why)
+        return why is not None
 
     def _deltas(self, body: dict, older: list[int], data: bytes, weights: dict) -> list[bytes]:
         """Offer version ``body`` also as sparse deltas against each of the ``deltas`` most recent ``older``
@@ -264,5 +287,6 @@ class Publisher:
             "published_version": self.published_version,
             "published": self.published,
             "saved_version": self.saved_version,
+            "refused_to_sign": self.refused_to_sign,
             "delta_ratio": self.delta_bytes / self.full_bytes if self.full_bytes else None,
         }

@@ -63,7 +63,7 @@ class Role(Protocol):
 
     def loop(self) -> None: ...
 
-    def refresh_status(self) -> Status: ...
+    def refresh_status(self) -> Status: ...  # (optional: heartbeat_stored(started, snapshot))
 
     def leave(self) -> None: ...
 
@@ -166,6 +166,11 @@ class PeerRuntime:
         returning before the peer leaves is a failure."""
         return self.supervisor.start_thread(name, fn, forever=forever)
 
+    def kick_heartbeat(self) -> None:
+        """Publish the next heartbeat now (a lineage learner's term changed: the others must learn it)."""
+        if self.heartbeat is not None:
+            self.heartbeat.kick()
+
     def wakeup(self) -> Wakeup:
         """A wake-up for a role's thread that waits for producers' signals; the stop event sets it too."""
         return Wakeup(self.stop)
@@ -199,6 +204,7 @@ class PeerRuntime:
                 self.hw.describe(),
                 role.refresh_status,
                 self.state_dir,
+                on_stored=getattr(role, "heartbeat_stored", None),  # a lineage writer's lease
             )
             self.spawn(self.heartbeat.run(), "heartbeat")
             role.loop()

@@ -69,6 +69,7 @@ class Sampler:
         self.settings, self.state_dir, self.hw = runtime.settings, runtime.state_dir, runtime.hw
         self.status, self.store = runtime.status, runtime.store
         self.version: int | None = None
+        self.manifest_sha256: bytes | None = None  # of the signed manifest of the version held
         self.batches = 0
         self.tokens = 0
         self.loaded: list[int] = []
@@ -165,12 +166,13 @@ class Sampler:
             self.follower.refuse(ready.digest, v, e)
             self.follower.swapped()
             return
-        previous, self.version = self.version, v
+        previous, self.version, self.manifest_sha256 = self.version, v, ready.digest
         self.follower.swapped()
         self.loaded.append(v)
         r = ready.report
         row = {
             "version": v,
+            "manifest": ready.digest.hex(),  # the signed manifest its batches name
             "time": time.time(),
             "fetched_bytes": r.fetched_bytes,
             "reused_bytes": r.reused_bytes,
@@ -282,6 +284,7 @@ class Sampler:
             "engine": self.backend.name,
             "engine_dtype": self.backend.dtype,
             **({"seeded": True} if batch_id is not None and self.seeded else {}),
+            **({"manifest_sha256": self.manifest_sha256} if self.manifest_sha256 is not None else {}),
         }
         tokens = sum(len(r["completion_ids"]) for r in rows)
         return bid, encode("TrajectoryBatch", body, self.identity), tokens

@@ -13,10 +13,16 @@ class Buffered:
     author: bytes
     body: dict
     received_at: float
+    sha256: bytes = b""  # of its signed bytes, as accepted (learner peers name a batch by id and this)
 
     @property
     def groups(self) -> int:
         return len({r["group"] for r in self.body["rows"]})
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens: what the update's mask counts of it."""
+        return sum(len(r["completion_ids"]) for r in self.body["rows"])
 
 
 class TrajectoryBuffer:

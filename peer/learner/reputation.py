@@ -305,6 +305,17 @@ class Reputation:
                 bisect.insort(r.claims, claim)
                 del r.claims[:-CLAIMS_KEPT]
 
+    def ban(self, author: bytes, reason: str) -> None:
+        """Ban ``author`` for the run for ``reason`` (another learner of the run decided it)."""
+        with self._lock:
+            r = self._authors[author]
+            if r.banned is not None:
+                return
+            r.banned = reason[:200]
+            r.last_seen = self.wall()
+            self._saved(author, r)
+        self.on_ban(author, reason[:200])
+
     def strike(self, author: bytes, reason: str, *, checked: bool = True) -> str | None:
         """Count a refused batch; returns the ban's reason if this strike banned the author."""
         t = self.trust

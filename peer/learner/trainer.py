@@ -34,6 +34,7 @@ from ..model import adapter as lora
 from ..model.logprobs import model_device
 from .rows import Rows
 from .state import load_state, save_state
+from .state_transfer import load_state_bytes, state_bytes
 from .update import StepOptions, accumulate_gradients, peak_memory_mib
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
@@ -93,6 +94,25 @@ class TrainerLike(Protocol):
     def renumber(self, version: int) -> None: ...
 
 
+@runtime_checkable
+class LineageTrainer(TrainerLike, Protocol):
+    """What a learner of a lineage (several learner keys, :mod:`~heterorl.peer.daemon.learner_lineage`) needs
+    of its trainer besides :class:`TrainerLike`: a gradient without a step, the writer's step turned into an
+    update, a member's step from that update, and its state as bytes for a joiner (one process only)."""
+
+    def named_trainable(self) -> list[tuple[str, Tensor]]: ...
+
+    def gradients(self, rows: Rows) -> tuple[dict[str, Tensor], dict[str, float]]: ...
+
+    def commit_update(self, grads: dict[str, Tensor], lr_scale: float = 1.0) -> dict[str, Tensor]: ...
+
+    def apply_update(self, update: dict[str, Tensor], grads: dict[str, Tensor], version: int) -> None: ...
+
+    def state_bytes(self) -> tuple[bytes, bytes]: ...
+
+    def load_state_bytes(self, version: int, weights: bytes, optimizer: bytes) -> None: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     """A version as it stood after ``version`` steps, copied off the live tensors.
@@ -106,6 +126,7 @@ class Snapshot:
     weights: dict[str, Tensor]
     model_state: dict[str, Tensor] | None = None
     optimizer_state: dict | None = None
+    publish: bool = True  # False: saved, not published (a lineage member signs nothing)
 
 
 class Trainer:
@@ -159,15 +180,50 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grads, stats
 
-    def apply(self, grads: dict[str, Tensor], lr_scale: float = 1.0) -> None:
-        """One optimiser step on ``grads`` (already reduced and clipped: every learner of a lineage applies
-        the same bytes, so none clips on its own); the next version."""
-        for n, p in self.model.named_parameters():
-            if p.requires_grad:
-                p.grad = grads[n].to(p.device, p.dtype)
+    def commit_update(self, grads: dict[str, Tensor], lr_scale: float = 1.0) -> dict[str, Tensor]:
+        """A lineage writer's step on ``grads`` (already combined: none clips on its own): the optimiser's
+        step, taken here with whatever kernel this device has, turned into the update every learner adds.
+        Returns ``update`` (by name, on the device, the parameters' dtype) with this trainer's weights set to
+        ``old + update`` exactly as :meth:`apply_update` sets a member's: one IEEE addition, the same bits on
+        any hardware. The next version."""
+        named = self.named_trainable()
+        old = {n: p.detach().clone() for n, p in named}
+        for n, p in named:
+            p.grad = grads[n].to(p.device, p.dtype)
         scaled_optimizer_step(self.optimizer, lr_scale)
         self.optimizer.zero_grad(set_to_none=True)
+        update = {}
+        with torch.no_grad():
+            for n, p in named:
+                update[n] = p.detach() - old[n]
+                p.copy_(old[n].add_(update[n]))
         self.version += 1
+        return update
+
+    def apply_update(self, update: dict[str, Tensor], grads: dict[str, Tensor], version: int) -> None:
+        """A lineage member's step: add the writer's ``update`` to the weights (bit-identical to the writer's,
+        whatever kernel either runs) and take the combined ``grads`` into this learner's own AdamW moments
+        (the exact arithmetic there does not matter: they shape updates only once this learner writes).
+        ``version``: the commit's (a new writer's first commit may skip numbers)."""
+        with torch.no_grad():
+            for n, p in self.named_trainable():
+                p.add_(update[n].to(p.device, p.dtype))
+                self._moments(p, grads[n].to(p.device, torch.float32))
+        self.version = version
+
+    def _moments(self, p: nn.Parameter, g: Tensor) -> None:
+        """AdamW's moments and step count of ``p`` after gradient ``g`` (the weights do not change)."""
+        group = next(gr for gr in self.optimizer.param_groups if any(q is p for q in gr["params"]))
+        beta1, beta2 = group["betas"]
+        state = self.optimizer.state[p]
+        if not state:
+            on_device = group.get("fused") or group.get("capturable")
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        state["exp_avg"].lerp_(g.to(state["exp_avg"].dtype), 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
 
     def named_trainable(self) -> list[tuple[str, Tensor]]:
         """The parameters that train, by name (the lineage's gradient schema and state hash)."""
@@ -215,6 +271,15 @@ class Trainer:
         if meta is not None:
             self.version = int(meta["step"])
         return meta
+
+    def state_bytes(self) -> tuple[bytes, bytes]:
+        """The float32 weights and AdamW state as safetensors, for a joining learner (:mod:`.state_transfer`).
+        """
+        return state_bytes(self.named_trainable(), self.optimizer.state_dict())
+
+    def load_state_bytes(self, version: int, weights: bytes, optimizer: bytes) -> None:
+        """Another learner's :meth:`state_bytes` as this trainer's state at ``version`` (checked)."""
+        load_state_bytes(self, version, weights, optimizer)
 
     def renumber(self, version: int) -> None:
         """Number the next step ``version + 1`` (a restart redoing updates already published after its save:

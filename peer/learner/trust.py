@@ -21,6 +21,7 @@ exactly what this run did.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -34,7 +35,8 @@ from heterorl.protocol.wire.errors import ProtocolError
 
 from .buffer import Buffered, TrajectoryBuffer, staleness_refusal
 from .holding import HeldBatches
-from .intake import Admission, Check
+from .intake import Admission, Check, Refusal
+from .manifests import ManifestIndex
 from .replay import ReplayIndex
 from .replica import ModelReplica
 from .reputation import Reputation
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 SWEEP_EVERY_S = 0.25  # the release sweep's period (it also wakes when flow control is full)
 EXPIRE_EVERY_S = 30.0  # how often records never earned are looked at for expiry
 UNCHECKED_RETRY_S = 1.0  # a lineage member's wait for the writer's manifest of a version it stepped to
+AHEAD_VERSIONS = 64  # a batch of a version this far beyond this learner's may wait for it to get there
 
 
 class LearnerTrust:
@@ -94,6 +97,8 @@ class LearnerTrust:
         self.reputation.load_records(ledger.authors())  # records, strikes, probation: as before a restart
         self.reputation.load_bans(ledger.bans())
         self.replays = ReplayIndex()
+        self.manifests = ManifestIndex(store)
+        self.abandoned = 0  # batches sampled on weights this learner does not hold: dropped, no strike
         self._retry_at: dict[bytes, float] = {}  # an author whose held check failed on our side: not before
         self.spot_check = None if replica is None else self._spot_check(replica, pad_id)
         checks: list[tuple[str, Check]] = [
@@ -141,11 +146,11 @@ class LearnerTrust:
             self._release_wanted.set()  # the release sweep checks a held batch now
         return room
 
-    def accepted(self, body: dict, author: bytes, _raw: bytes = b"") -> None:
+    def accepted(self, body: dict, author: bytes, raw: bytes = b"") -> None:
         """A batch the ledger now holds (the receiver's ``on_accept``)."""
         self.reputation.accepted(body, author)
         self.replays.add(body, author)
-        item = Buffered(body["batch_id"], author, body, time.time())
+        item = Buffered(body["batch_id"], author, body, time.time(), hashlib.sha256(raw).digest())
         self._admit(item, vouched=self.reputation.take_vouched(item.batch_id))
 
     def _held_new(self) -> int:
@@ -162,14 +167,42 @@ class LearnerTrust:
             return f"a completion of {longest} tokens exceeds the run's {s.sampling.max_new_tokens}"
         return None
 
-    def _check_version(self, body: dict, author: bytes) -> str | None:
-        """A claimed version is one this learner published (or older than any it still holds), and an
-        author's claims never go back in time."""
-        v = body["policy_version"]
-        held = self.store.versions()
-        if held and max(held[0], self._seen_from) <= v <= self._published() and not self.store.has_version(v):
-            return f"claims version {v}, which was never published"
+    def _check_version(self, body: dict, author: bytes) -> str | Refusal | Deferral | None:
+        """The weights a batch was sampled on: the signed manifest it names (``manifest_sha256``) is the one
+        this learner holds for the version it claims, and an author's claims never go back in time.
+
+        A manifest held here under another version is a lie (a strike). A manifest not held here is weights
+        this learner's lineage abandoned (a writer's last versions that its successor never held), pruned, or
+        a forgery: dropped without a strike, counted (nothing of it is trained, so a lie gains nothing); a
+        version this learner has not reached yet waits (deferred) while it may still get there. A batch that
+        names no manifest (an older sampler) is judged by its version number alone."""
+        v, named = body["policy_version"], body.get("manifest_sha256")
+        if named is None:
+            held = self.store.versions()
+            if (
+                held
+                and max(held[0], self._seen_from) <= v <= self._published()
+                and not self.store.has_version(v)
+            ):
+                return f"claims version {v}, which was never published"
+            return self.reputation.check_claim(body, author)
+        holds = self.manifests.version_of(named)
+        if holds is not None and holds != v:
+            return f"claims version {v}, but names the manifest of version {holds}"
+        if holds is None:
+            if self._published() < v <= self._step() + AHEAD_VERSIONS and self.manifests.hash_of(v) is None:
+                return Deferral(f"version {v}: its manifest is not held here yet", UNCHECKED_RETRY_S)
+            with self._lock:
+                self.abandoned += 1
+            return Refusal(f"sampled on weights this learner does not hold (version {v}, manifest "
+                           f"{bytes(named).hex()[:16]}: abandoned by the lineage, pruned, or never signed)",
+                           strike=False)  # fmt: skip
         return self.reputation.check_claim(body, author)
+
+    def honour_ban(self, author: bytes, reason: str, by: bytes) -> None:
+        """Another learner of the run banned ``author`` (its signed heartbeat says so): banned here too."""
+        if self.reputation.check_banned({}, author) is None:
+            self.reputation.ban(author, f"banned by learner {by.hex()[:16]}: {reason}"[:200])
 
     def saw_versions_from(self, version: int) -> None:
         """This learner took a lineage's state at ``version``: the versions before it that it does not hold
@@ -246,14 +279,18 @@ class LearnerTrust:
         """Accepted batches not in the saved state (step ``applied_after``) go through the same admission
         as when they arrived: a banned author's are dropped, those released before (vouched for, or trained
         on) go to training, the rest are held again until a check vouches for them. How many there were."""
-        items = self.ledger.pending(applied_after=applied_after)
+        return self.readmit(self.ledger.pending(applied_after=applied_after))
+
+    def readmit(self, items) -> int:
+        """Ledger items (accepted, pending again) through the admission of :meth:`replay`; how many."""
         held = 0
         for it in items:
             _, body, author = decode(it.data, "TrajectoryBatch", run_id=self.settings.run_id)
             self.reputation.accepted(body, author, count=False)
             self.replays.add(body, author)
             vouched = it.released or not self.reputation.checks  # (an adapter run holds nothing)
-            self._admit(Buffered(it.batch_id, author, body, it.received_at), vouched=vouched)
+            item = Buffered(it.batch_id, author, body, it.received_at, hashlib.sha256(it.data).digest())
+            self._admit(item, vouched=vouched)
             held += not it.released
         if items:
             log.info(
@@ -376,6 +413,7 @@ class LearnerTrust:
             "trust/banned": len(self.reputation.bans()),
             "trust/held": len(self.held),  # accepted, waiting for a check to vouch for them
             "trust/deferred_new": self.reputation.deferred_new,
+            "trust/abandoned_weights": self.abandoned,
         }
 
     def final(self) -> dict:

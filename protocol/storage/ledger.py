@@ -14,8 +14,10 @@ Which accepted batches were released to training (:meth:`~AcceptedLog.mark_relea
 record (:meth:`~AcceptedLog.save_author`) are kept beside them, so a restart holds again what no check
 vouched for. :meth:`~AcceptedLog.prune_applied` drops the payloads of batches no checkpoint restart can need
 any more but keeps their ids, so dedupe still holds. With several learner peers, a sampler that lost an Ack
-may resend a batch to another learner: :meth:`~AcceptedLog.record_lineage` keeps the ids every Commit of the
-lineage trained, and drops this learner's own pending copy of any of them.
+may resend a batch to another learner: :meth:`~AcceptedLog.record_lineage` keeps the ids (and the sha256 of
+the bytes) every Commit of the lineage trained, and drops this learner's own pending copy of any of them
+with the same bytes; :meth:`~AcceptedLog.adopt_lineage` makes a joiner's ledger agree with the state it took
+(what the lineage trained is never trained here again; what only an abandoned branch trained is replayed).
 
 Pure storage: no sockets, no asyncio. Every operation holds one lock, so an ``asyncio.to_thread`` worker and
 the main thread may share an instance. Not here: flow control (the receiver's ``has_room``), decoding or
@@ -25,6 +27,7 @@ verifying the batches (see :mod:`protocol.wire.messages`, :mod:`protocol.net.tra
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import sqlite3
@@ -63,9 +66,11 @@ _ADDED = (
     "CREATE TABLE IF NOT EXISTS released (batch_id BLOB PRIMARY KEY)",
     # what the learner knows of each author (its record, strikes, probation), as JSON
     "CREATE TABLE IF NOT EXISTS authors (author BLOB PRIMARY KEY, record TEXT NOT NULL)",
-    # learner peers: every batch the lineage trained (any learner's, from each Commit), at which version
-    "CREATE TABLE IF NOT EXISTS lineage (batch_id BLOB PRIMARY KEY, version INTEGER NOT NULL)",
-    "CREATE INDEX IF NOT EXISTS lineage_version ON lineage (version)",
+    # learner peers: every batch the lineage trained (any learner's, from each Commit), by id and the sha256
+    # of its signed bytes, at which version; the window it covers starts at the counter 'trained_from'
+    "CREATE TABLE IF NOT EXISTS trained"
+    " (batch_id BLOB PRIMARY KEY, sha256 BLOB NOT NULL, version INTEGER NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS trained_version ON trained (version)",
 )
 
 
@@ -197,7 +202,7 @@ class AcceptedLog(SqliteStore):
         b = bytes(batch_id)
         with self._txn() as conn:
             row = conn.execute(
-                "SELECT 1 FROM batches WHERE batch_id = ? UNION ALL SELECT 1 FROM lineage WHERE batch_id = ?",
+                "SELECT 1 FROM batches WHERE batch_id = ? UNION ALL SELECT 1 FROM trained WHERE batch_id = ?",
                 (b, b),
             ).fetchone()
         return row is not None
@@ -282,28 +287,39 @@ class AcceptedLog(SqliteStore):
 
     # -- learner peers: what the whole lineage trained -----------------------------------------------------
 
-    def record_lineage(self, batch_ids: Iterable[bytes], version: int, reason: str) -> list[bytes]:
-        """Record that the lineage trained ``batch_ids`` at (or, from a state offer, by) ``version``. This
-        learner's own pending copies of them (a sampler resent a batch whose Ack was lost to another
-        learner) are dropped with ``reason``, never trained twice; their ids are returned."""
-        ids = [bytes(b) for b in batch_ids]
+    def record_lineage(
+        self, batches: Iterable[tuple[bytes, bytes]], version: int, reason: str
+    ) -> list[bytes]:
+        """Record that the lineage trained ``batches`` ((id, sha256 of its signed bytes) each) at ``version``.
+        This learner's own pending copy of one (a sampler resent a batch whose Ack was lost to another
+        learner) is dropped with ``reason`` if its bytes hash the same, never trained twice (a copy with other
+        bytes stays: no one names another learner's batches away); the ids dropped are returned."""
+        entries = [(bytes(b), bytes(h)) for b, h in batches]
         with self._txn() as conn:
             conn.executemany(
-                "INSERT OR IGNORE INTO lineage (batch_id, version) VALUES (?, ?)",
-                [(b, int(version)) for b in ids],
+                "INSERT OR IGNORE INTO trained (batch_id, sha256, version) VALUES (?, ?, ?)",
+                [(b, h, int(version)) for b, h in entries],
             )
-            dropped = [
-                b
-                for b in ids
-                if conn.execute(
-                    "UPDATE batches SET applied_step = ? WHERE batch_id = ? AND applied_step IS NULL",
-                    (DROPPED, b),
-                ).rowcount
-            ]
-            conn.executemany(
-                "INSERT OR REPLACE INTO dropped (batch_id, reason, at) VALUES (?, ?, ?)",
-                [(b, reason, time.time()) for b in dropped],
-            )
+            dropped = self._drop_copies(conn, entries, reason)
+        return dropped
+
+    @staticmethod
+    def _drop_copies(
+        conn: sqlite3.Connection, entries: list[tuple[bytes, bytes]], reason: str
+    ) -> list[bytes]:
+        dropped = []
+        for b, h in entries:
+            row = conn.execute(
+                "SELECT data FROM batches WHERE batch_id = ? AND applied_step IS NULL AND data IS NOT NULL",
+                (b,),
+            ).fetchone()
+            if row is not None and hashlib.sha256(row[0]).digest() == h:
+                conn.execute("UPDATE batches SET applied_step = ? WHERE batch_id = ?", (DROPPED, b))
+                conn.execute(
+                    "INSERT OR REPLACE INTO dropped (batch_id, reason, at) VALUES (?, ?, ?)",
+                    (b, reason, time.time()),
+                )
+                dropped.append(b)
         return dropped
 
     def in_lineage(self, batch_ids: Iterable[bytes]) -> set[bytes]:
@@ -312,17 +328,108 @@ class AcceptedLog(SqliteStore):
             return {
                 b
                 for b in (bytes(x) for x in batch_ids)
-                if conn.execute("SELECT 1 FROM lineage WHERE batch_id = ?", (b,)).fetchone()
+                if conn.execute("SELECT 1 FROM trained WHERE batch_id = ?", (b,)).fetchone()
             }
 
-    def lineage_since(self, version: int, limit: int) -> list[bytes]:
-        """Ids of the batches the lineage trained after ``version``: the newest ``limit`` of them."""
+    def lineage_window(self, limit: int) -> tuple[list[tuple[bytes, bytes]], int]:
+        """The newest ``limit`` batches the lineage trained ((id, sha256) each, newest first) and the version
+        from which on the list names every one (the window a joiner reconciles against)."""
         with self._txn() as conn:
             rows = conn.execute(
-                "SELECT batch_id FROM lineage WHERE version > ? ORDER BY version DESC LIMIT ?",
-                (int(version), int(limit)),
+                "SELECT batch_id, sha256, version FROM trained ORDER BY version DESC LIMIT ?",
+                (int(limit) + 1,),
             ).fetchall()
-        return [r[0] for r in rows]
+            start = self._counter(conn, "trained_from")
+        if len(rows) > limit:  # the window ends inside the oldest version listed: from the next one on
+            start = max(start, rows[limit][2] + 1)
+            rows = [r for r in rows[:limit] if r[2] >= start]
+        return [(r[0], r[1]) for r in rows], start
+
+    def adopt_lineage(
+        self, batches: list[tuple[bytes, bytes]], version: int, trained_from: int, reason: str
+    ) -> tuple[list[LedgerItem], list[bytes], int]:
+        """This learner took a lineage's state at ``version``, which holds every batch in ``batches`` and,
+        from version ``trained_from`` on, no other. The lineage table becomes that window. Then, of this
+        learner's own batches: a pending copy of one the lineage trained (same bytes) is dropped with
+        ``reason``; one it applied at a version the window covers that the lineage did not train (a branch
+        the lineage abandoned) is pending again. Returns those (to replay), the ids dropped, and how many such
+        batches cannot be replayed (their payloads pruned)."""
+        entries = [(bytes(b), bytes(h)) for b, h in batches]
+        names = {b for b, _ in entries}
+        with self._txn() as conn:
+            conn.execute("DELETE FROM trained")
+            conn.executemany(
+                "INSERT OR IGNORE INTO trained (batch_id, sha256, version) VALUES (?, ?, ?)",
+                [(b, h, int(version)) for b, h in entries],
+            )
+            conn.execute(
+                "INSERT OR REPLACE INTO counters (name, value) VALUES ('trained_from', ?)",
+                (int(trained_from),),
+            )
+            dropped = self._drop_copies(conn, entries, reason)
+            rows = conn.execute(
+                "SELECT batch_id, data IS NULL FROM batches WHERE applied_step >= ?", (int(trained_from),)
+            ).fetchall()
+            abandoned = [(b, pruned) for b, pruned in rows if b not in names]
+            lost = sum(1 for _, pruned in abandoned if pruned)
+            again = [b for b, pruned in abandoned if not pruned]
+            conn.executemany(
+                "UPDATE batches SET applied_step = NULL WHERE batch_id = ?", [(b,) for b in again]
+            )
+            conn.executemany("INSERT OR IGNORE INTO released (batch_id) VALUES (?)", [(b,) for b in again])
+            items = [
+                LedgerItem(
+                    *conn.execute(f"SELECT {_ITEM_COLUMNS} FROM batches WHERE batch_id = ?", (b,)).fetchone()
+                )
+                for b in again
+            ]
+        return items, dropped, lost
+
+    def unapply_after(self, version: int) -> list[LedgerItem]:
+        """Batches applied at a version > ``version`` (a state this learner resumes from does not hold them)
+        are pending again, and the lineage table forgets those versions; the batches are returned (to
+        replay: released, they go to training)."""
+        after = int(version)
+        with self._txn() as conn:
+            conn.execute("DELETE FROM trained WHERE version > ?", (after,))
+            ids = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT batch_id FROM batches WHERE applied_step > ? AND data IS NOT NULL", (after,)
+                ).fetchall()
+            ]
+            conn.executemany("UPDATE batches SET applied_step = NULL WHERE batch_id = ?", [(b,) for b in ids])
+            conn.executemany("INSERT OR IGNORE INTO released (batch_id) VALUES (?)", [(b,) for b in ids])
+            items = [
+                LedgerItem(
+                    *conn.execute(f"SELECT {_ITEM_COLUMNS} FROM batches WHERE batch_id = ?", (b,)).fetchone()
+                )
+                for b in ids
+            ]
+        return items
+
+    def prune_lineage(self, keep: int) -> None:
+        """Keep the newest ``keep`` batches of the lineage table (whole versions); its window starts later."""
+        with self._txn() as conn:
+            row = conn.execute(
+                "SELECT version FROM trained ORDER BY version DESC LIMIT 1 OFFSET ?", (int(keep),)
+            ).fetchone()
+            if row is None:
+                return
+            conn.execute("DELETE FROM trained WHERE version <= ?", (row[0],))
+            start = max(self._counter(conn, "trained_from"), row[0] + 1)
+            conn.execute("INSERT OR REPLACE INTO counters (name, value) VALUES ('trained_from', ?)", (start,))
+
+    def sha256_of(self, batch_id: bytes) -> bytes | None:
+        """The sha256 of a held batch's signed bytes (None if not held, or its payload pruned)."""
+        with self._txn() as conn:
+            row = conn.execute("SELECT data FROM batches WHERE batch_id = ?", (bytes(batch_id),)).fetchone()
+        return None if row is None or row[0] is None else hashlib.sha256(row[0]).digest()
+
+    @staticmethod
+    def _counter(conn: sqlite3.Connection, name: str) -> int:
+        row = conn.execute("SELECT value FROM counters WHERE name = ?", (name,)).fetchone()
+        return 0 if row is None else int(row[0])
 
     # -- introspection -----------------------------------------------------------------------------------
 

@@ -54,6 +54,8 @@ def _sidecar(body: dict) -> dict:
     }
     if "deltas" in body:
         side["deltas"] = [{**d, "chunk_hashes": [h.hex() for h in d["chunk_hashes"]]} for d in body["deltas"]]
+    if "term" in body:  # a lineage writer's (protocol/net/lineage.py)
+        side["term"] = body["term"]
     return side
 
 

@@ -31,13 +31,23 @@ MAX_BAN_REASON = 200
 MAX_DELTAS = 8  # a manifest offers its version as a delta against at most this many older versions
 MAX_LEARNERS = 64  # learner keys a RunSpec may list
 MAX_LINEAGE_BATCHES = 4096  # batches one learner contributes to one version
-MAX_TRAINED_IDS = 1 << 19  # batch ids a StateOffer names (8 MiB)
+MAX_TRAINED_IDS = 1 << 17  # batches a StateOffer's lineage window names (id and hash each: 6 MiB)
+MAX_TERM = 1 << 53  # a lineage's writer terms count up from 1
+MAX_MANIFESTS_SENT = (
+    64  # signed manifests a lineage writer's reply carries (a joiner: those published lately)
+)
 
 _token_ids = s.array(s.integer(0, 1 << 31), MAX_TOKENS)
 _run_id = s.text(128)
 _key = s.binary(PUBLIC_KEY_BYTES, PUBLIC_KEY_BYTES)
 _peer_id = s.text(128)  # libp2p peer id, base58
 _maddrs = s.array(s.text(256), 16)
+_hash = s.binary(HASH_BYTES, HASH_BYTES)
+_version = s.integer(0, 1 << 53)
+_term = s.integer(0, MAX_TERM)
+# a batch a learner of a lineage trains on, named by its id and the sha256 of its signed bytes: another
+# learner holding that id drops its own copy only if the bytes are the same (none names others' away)
+_named_batch = s.record({"batch_id": s.binary(BATCH_ID_BYTES, BATCH_ID_BYTES), "sha256": _hash})
 
 SCHEMAS: dict[str, s.Check] = {
     "TrajectoryBatch": s.record(
@@ -66,6 +76,9 @@ SCHEMAS: dict[str, s.Check] = {
             "engine_dtype": s.text(16),
             # rows drawn by Gumbel-max from protocol/wire/seeds.py row_seed: reproducible by a verifier
             "seeded": s.boolean(),
+            # sha256 of the signed CheckpointManifest of the weights it was sampled on: a learner checks the
+            # batch against exactly those weights (one version number, one set of weights)
+            "manifest_sha256": _hash,
         },
     ),
     "CheckpointManifest": s.record(
@@ -92,7 +105,9 @@ SCHEMAS: dict[str, s.Check] = {
                 ),
                 MAX_DELTAS,
                 min_len=1,
-            )
+            ),
+            # learner peers: the signing writer's term (protocol/net/lineage.py); a higher term fences a lower
+            "term": _term,
         },
     ),
     "RunSpec": s.record(
@@ -134,6 +149,11 @@ SCHEMAS: dict[str, s.Check] = {
             "backend": s.text(64),  # a sampler's rollout engine, e.g. "vllm 0.32.0, bfloat16, cuda"
             # a learner's banned authors and why (the coordinator's view shows them)
             "bans": s.array(s.record({"author": _key, "reason": s.text(MAX_BAN_REASON)}), MAX_BANS),
+            # a learner of a lineage: the highest term it knows, whether it writes in it, the version of the
+            # state it holds, and (a writer) the highest version it may commit before its next heartbeat
+            "lineage": s.record(
+                {"term": _term, "writes": s.boolean(), "applied": _version, "reserved": _version}
+            ),
         },
     ),
     # "I hold chunks of this checkpoint version; fetch them from me" (complete: every chunk held).
@@ -151,70 +171,98 @@ SCHEMAS: dict[str, s.Check] = {
     ),
     # ---- learner peers: one lineage of versions across several learners (protocol/net/lineage.py) ----
     # the first frame each way on a lineage stream: who speaks (its libp2p peer id, which the stream itself
-    # authenticates, bound here to its signing key), to whom, of which model, at which version
+    # authenticates, bound here to its signing key), to whom, of which model, at which version, in which term
     "LineageHello": s.record(
         {
             "run_id": _run_id,
             "peer_id": _peer_id,
             "to_peer_id": _peer_id,
-            "schema": s.binary(HASH_BYTES, HASH_BYTES),  # sha256 of the parameters' names, shapes, dtypes
-            "version": s.integer(0, 1 << 53),
-            "state": s.binary(HASH_BYTES, HASH_BYTES),  # sha256 of its float32 weights at that version
+            "schema": _hash,  # sha256 of the parameters' names, shapes, dtypes
+            "version": _version,
+            "state": _hash,  # sha256 of its float32 weights at that version
+            "term": _term,  # the highest writer term the sender knows (the writer's own, from the writer)
         }
     ),
     # the writer's state at ``version``, for a learner that joins at another version or with other weights:
-    # two frames follow, float32 weights and optimiser state (safetensors), hashing to the fields below
+    # three frames follow, float32 weights and optimiser state (safetensors) and the lineage's window of
+    # trained batches (48 bytes each: id, sha256), hashing to the fields below
     "StateOffer": s.record(
         {
             "run_id": _run_id,
-            "version": s.integer(0, 1 << 53),
-            "state": s.binary(HASH_BYTES, HASH_BYTES),  # what the weights hash to once loaded (state_sha256)
-            "weights_sha256": s.binary(HASH_BYTES, HASH_BYTES),
-            "optimizer_sha256": s.binary(HASH_BYTES, HASH_BYTES),
-            # the ids of the batches the lineage trained after the joiner's version, concatenated (16 bytes
-            # each, newest first): a joiner drops its own pending copies of them, never training one twice
-            "trained": s.binary(0, MAX_TRAINED_IDS * BATCH_ID_BYTES),
+            "term": _term,
+            "version": _version,
+            "state": _hash,  # what the weights hash to once loaded (state_sha256)
+            "weights_sha256": _hash,
+            "optimizer_sha256": _hash,
+            "trained_sha256": _hash,
+            "trained_from": _version,  # the window names every batch the lineage trained from this version on
         }
     ),
-    # a learner's gradient on version ``version`` (the next frame: safetensors of float32 tensors, hashing
-    # to ``grad_sha256``; none when ``tokens`` is 0), from the batches it names
+    # a learner's gradient on version ``version`` in the writer's term ``term`` (the next frame: safetensors
+    # of float32 tensors, hashing to ``grad_sha256``; none without batches), from the batches it names, each
+    # with its tokens (the part's weight is their sum, each bounded by the run's batch size)
     "Contribution": s.record(
         {
             "run_id": _run_id,
-            "version": s.integer(0, 1 << 53),
-            "batch_ids": s.array(s.binary(BATCH_ID_BYTES, BATCH_ID_BYTES), MAX_LINEAGE_BATCHES),
-            "tokens": s.integer(0, 1 << 40),
-            "lr_scale": s.number(0.0, 1e6),
+            "term": _term,
+            "version": _version,
+            "batches": s.array(
+                s.record(
+                    {
+                        "batch_id": s.binary(BATCH_ID_BYTES, BATCH_ID_BYTES),
+                        "sha256": _hash,
+                        "tokens": s.integer(1, MAX_ROWS * MAX_TOKENS),
+                    }
+                ),
+                MAX_LINEAGE_BATCHES,
+            ),
+            "lr_scale": s.number(0.0, 1.0),
             "grad_sha256": s.binary(0, HASH_BYTES),
         }
     ),
-    # the writer's step from ``version - 1`` to ``version``: the gradient every member applies (the next
-    # frame, hashing to ``grad_sha256``), whose batches it holds, the state it was taken on, and the signed
-    # manifests of versions published since the last commit to this member
+    # the writer's step from ``parent_version`` to ``version`` in its term: the parameter update every member
+    # adds (the next frame, hashing to ``update_sha256``), the combined gradient its optimiser moments take
+    # (the frame after, ``grad_sha256``), whose batches it holds, the state it was taken on and the one it
+    # gives, and the signed manifests of versions published since the last commit to this member
     "Commit": s.record(
         {
             "run_id": _run_id,
+            "term": s.integer(1, MAX_TERM),
             "version": s.integer(1, 1 << 53),
-            "parent_state": s.binary(HASH_BYTES, HASH_BYTES),  # sha256 of the float32 weights at version - 1
+            "parent_version": _version,
+            "parent_state": _hash,  # sha256 of the float32 weights at parent_version
+            "state": _hash,  # ... at version, once the update is added
             "applied": s.array(
-                s.record(
-                    {
-                        "learner": _key,
-                        "batch_ids": s.array(s.binary(BATCH_ID_BYTES, BATCH_ID_BYTES), MAX_LINEAGE_BATCHES),
-                    }
-                ),
+                s.record({"learner": _key, "batches": s.array(_named_batch, MAX_LINEAGE_BATCHES)}),
                 MAX_LEARNERS,
             ),
             "tokens": s.integer(1, 1 << 40),
-            "lr_scale": s.number(0.0, 1e6),
-            "grad_sha256": s.binary(HASH_BYTES, HASH_BYTES),
+            "lr_scale": s.number(0.0, 1.0),
+            "update_sha256": _hash,
+            "grad_sha256": _hash,
             "publish": s.boolean(),  # the writer publishes ``version``: members keep its bytes to check
-            "manifests": s.array(s.binary(1, 1 << 20), 8),
+            "manifests": s.array(s.binary(1, 1 << 20), MAX_MANIFESTS_SENT),
         }
     ),
-    # no round closed while the member waited with nothing to give: it contributes again
+    # no commit for the member yet: ``pending`` (its part waits in the round: keep waiting, a keepalive sent
+    # every few seconds) or not (no round closed, or its part was ``refused``: contribute again)
     "LineageWait": s.record(
-        {"run_id": _run_id, "version": s.integer(0, 1 << 53), "manifests": s.array(s.binary(1, 1 << 20), 8)}
+        {
+            "run_id": _run_id,
+            "term": _term,
+            "version": _version,
+            "pending": s.boolean(),
+            "manifests": s.array(s.binary(1, 1 << 20), MAX_MANIFESTS_SENT),
+        },
+        # the member's part is left out for good, with the reason: it drops those batches, never resends them
+        optional={
+            "refused": s.record(
+                {
+                    "batch_ids": s.array(s.binary(BATCH_ID_BYTES, BATCH_ID_BYTES), MAX_LINEAGE_BATCHES),
+                    "reason": s.text(256),
+                }
+            )
+        },
     ),
     "LineageRefuse": s.record({"run_id": _run_id, "reason": s.text(512)}),
     "Ack": s.record({"run_id": _run_id, "batch_id": s.binary(BATCH_ID_BYTES, BATCH_ID_BYTES)}),
