@@ -76,3 +76,16 @@ def test_a_manifest_not_signed_by_the_writer_is_refused(adopter):
     keep(adopter, 2)
     with pytest.raises(ProtocolError, match="not signed by the writer"):
         adopter.adopt(manifest(2, by=Identity.generate()))
+
+
+def test_a_member_keeps_at_most_two_versions_waiting_for_their_manifests(adopter):
+    """Weights kept on the training device are bounded: the writer's manifest of a version comes with the
+    next reply, so two versions waiting is enough; an older one waiting is let go (counted unchecked)."""
+    for v in range(1, 9):
+        keep(adopter, v)
+    assert len(adopter._kept) == 2 and sorted(adopter._kept) == [7, 8]
+    assert adopter.adopt(manifest(8)) is True and adopter.adopt(manifest(3)) is None
+    seen = []
+    adopter.on_signed = lambda v, sha: seen.append((v, sha))
+    adopter.adopt(manifest(2))  # not held here: the trust gate still learns the writer signed it
+    assert seen == [(2, hashlib.sha256(manifest(2)).digest())]

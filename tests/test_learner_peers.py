@@ -1,6 +1,6 @@
-"""Learner peers, real processes on 127.0.0.1: two learners and two samplers train one lineage; the writer
-is SIGKILLed, the other writes on in a higher term, and the killed one comes back, takes the lineage's state
-and agrees.
+"""Learner peers, real processes on 127.0.0.1: two learners (one on torch's fused AdamW, one on its per-tensor
+loop) and two samplers train one lineage; the writer is SIGKILLed, the other writes on in a higher term, and
+the killed one comes back, takes the lineage's state and agrees, with no resync ever.
 
 The learners elect who writes (the newest state, the lowest key on a tie). Each sampler is given a key whose
 rendezvous choice is a different learner, so both learners take data. At every version the writer published,
@@ -43,7 +43,8 @@ def test_two_learners_train_one_lineage_agree_at_every_version_and_refuse_others
     swarm = Swarm(tmp_path / "swarm", tiny_model_dir, learners=2)
     try:
         swarm.start_coordinator()
-        procs = [swarm.start_learner(index=0), swarm.start_learner(index=1)]
+        kernels = [[], ["--adamw", "loop"]]  # learner-1 on another AdamW implementation than the fused one
+        procs = [swarm.start_learner(*kernels[0], index=0), swarm.start_learner(*kernels[1], index=1)]
         logs = [swarm.root / f"{d.name}.stderr.log" for d in swarm.learner_dirs]
         _wait_for(lambda: any("joined the lineage" in p.read_text() for p in logs if p.exists()), 120, swarm)
         for i in (0, 1):
@@ -89,7 +90,7 @@ def test_two_learners_train_one_lineage_agree_at_every_version_and_refuse_others
         assert took_over["first_version"] > max(published)
         # it comes back: it joins the new writer with its state, and agrees from then on
         back_at = time.time()
-        procs[w] = swarm.start_learner(index=w)
+        procs[w] = swarm.start_learner(*kernels[w], index=w)
         _wait_for(lambda: [r for r in _rows(writer_dir, "checked") if r["time"] > back_at], 120, swarm)
         step = swarm.metrics(1 - w)[-1]["step"]
         swarm.wait_step(step + 4, timeout=120)  # (learner 0's rows: either learner records every version)
@@ -135,8 +136,12 @@ def test_two_learners_train_one_lineage_agree_at_every_version_and_refuse_others
         stats = json.loads((d / "final_stats.json").read_text())
         struck = {a: r for a, r in stats["authors"].items() if r["strikes"] or r["banned"]}
         assert not stats["bans"] and not struck, (d.name, stats["bans"], struck)
+    for d in swarm.learner_dirs:  # every learner saved its state, the member too (a restart resumes there)
+        assert (d / "state" / "CURRENT").exists(), d.name
     final = json.loads((member_dir / "final_stats.json").read_text())  # it wrote since the kill
     assert final["lineage"]["lineage/takeovers"] == 1 and final["lineage"]["lineage/versions_mismatched"] == 0
+    # one learner on the fused AdamW, one on the per-tensor loop: never a resync, at every version the same
+    assert final["lineage"]["lineage/resyncs"] == 0 and back["lineage/resyncs"] == 0
 
 
 def _rows(d, event: str) -> list[dict]:

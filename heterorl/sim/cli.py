@@ -13,8 +13,9 @@ weights --json FILE` measured) or the changed chunks of the older chunk model (-
 full checkpoint every time.
 
 --learners N (several values: one run each) trains one lineage on N learner peers: samplers spread over them
-by rendezvous hashing, each version a step to which every learner with a full update contributes one, its
-float32 gradient exchanged through the writer's link (--learner-link-bytes-per-s).
+by rendezvous hashing, each version a step to which every learner with a full update contributes one: its
+float32 gradient in through the writer's link (--learner-link-bytes-per-s), the commit's parameter update and
+combined gradient out to every member.
 
 example:
   heterorl simulate --samplers 100 1000 3000 --hours 2

@@ -90,11 +90,12 @@ class SimConfig:
         return 2 * self.model_bytes
 
     def exchange_bytes(self, members_with_data: int) -> int:
-        """Bytes through the writer's link for one version: a gradient from each member with data, the
-        combined one to every member (``2 (N - 1) G`` when all have data; 0 with one learner)."""
+        """Bytes through the writer's link for one version: a gradient from each member with data, and to
+        every member the commit's two frames, the parameter update and the combined gradient (``3 (N - 1) G``
+        when all have data; 0 with one learner)."""
         if self.learners == 1:
             return 0
-        return (members_with_data + self.learners - 1) * self.gradient_bytes
+        return (members_with_data + 2 * (self.learners - 1)) * self.gradient_bytes
 
 
 @dataclasses.dataclass

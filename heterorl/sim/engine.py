@@ -39,8 +39,8 @@ has one takes it (so a version trains on up to ``learners`` updates of ``prompts
 learners consume up to N times the data per version, as in the real code, where each learner contributes a
 whole update of its own); each computes its gradient in parallel (``update_s`` with its own jitter); the
 round closes when the slowest of them is done, plus the exchange through the writer's link (a float32
-gradient, ``gradient_bytes`` = 4 bytes a parameter, in from each member with data, the combined one out to
-every member: ``2 (N - 1) G`` when all have data, sent and received one after the other at
+gradient, ``gradient_bytes`` = 4 bytes a parameter, in from each member with data, and the commit's parameter
+update and combined gradient out to every member: ``3 (N - 1) G`` when all have data, one after the other at
 ``learner_link_bytes_per_s``) and one ``learner_rtt_s``. A learner without data takes no part and waits for
 the commit; data that arrives during a round waits for the next one. The writer alone publishes (training
 pauses, as above) and serves checkpoints. Not modelled: encoding, hashing and combining the gradients, the

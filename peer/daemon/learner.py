@@ -60,6 +60,7 @@ ANNOUNCE_TIMEOUT_S = 60.0
 class LearnerOptions:
     max_steps: int | None = None  # stop (cleanly) after this many updates; None: run until stopped
     wait_log_s: float = 10.0
+    adamw: str = "auto"  # the AdamW kernel (peer/learner/trainer.py adamw): this machine's choice
 
 
 class SoloSteps:
@@ -97,7 +98,7 @@ class Learner:
         self.state_dir, self.status, self.store = runtime.state_dir, runtime.status, runtime.store
         self.trainer: TrainerLike
         self.trainer, self.tok, self.world_size = setup.make_trainer(
-            s, runtime.model_dir(), runtime.hw.device
+            s, runtime.model_dir(), runtime.hw.device, options.adamw
         )
         self.saved_step = setup.resume(self.trainer, s, self.state_dir, self.store)
         self.ledger = AcceptedLog(self.state_dir / "accepted.sqlite")

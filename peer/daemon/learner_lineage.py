@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 TAKE_S = 0.2  # a learner's wait for its own next update before it looks at the lineage again
 ELECT_AFTER_S = 5.0  # at start, a learner looks at the swarm this long before it decides who writes
-SETTLE_S = 180.0  # how long a learner looks for a writer to join (or the right to write) before it gives up
+SETTLE_S = 120.0  # a learner that found no writer to join (nor the right to write) for this long says so
 LEASE_WAIT_S = 0.25  # a writer whose lease does not cover its next version waits this long, and looks again
 STATES_KEPT = 64  # version -> state hash of the newest versions (a published row names its version's state)
 TRAINED_KEPT = MAX_TRAINED_IDS  # the lineage table's window: what a joiner reconciles against
@@ -212,9 +212,13 @@ class LineageRole:
         l = self.l
         self._drop_link()
         self.view.fast.set()
-        started = time.monotonic()
+        started = told = time.monotonic()
         try:
-            while l.rt.running() and time.monotonic() - started < SETTLE_S:
+            while l.rt.running():
+                if time.monotonic() - told >= SETTLE_S:  # its intake goes on meanwhile: keep looking
+                    told = time.monotonic()
+                    log.warning("lineage: no writer to join, nor the right to write, for %.0f s (%s)",
+                                told - started, l.status.state)  # fmt: skip
                 self.view.wake()
                 l.rt.stop.wait(0.5)
                 if first and (time.monotonic() - started < ELECT_AFTER_S or self.view.looks < 2):
@@ -231,10 +235,6 @@ class LineageRole:
                 else:
                     who = f" for {d.key.hex()[:16]}" if d.key else ""
                     l.status.state = f"waiting{who}: {d.reason}"[:64]
-            if l.rt.running():
-                raise ConnectionError(
-                    f"found no lineage writer to join, nor the right to write, in {SETTLE_S:g} s"
-                )
         finally:
             self.view.fast.clear()
 

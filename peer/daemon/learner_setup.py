@@ -3,6 +3,7 @@ FSDP group under torchrun), the model factory its replica builds from, and the h
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -17,7 +18,7 @@ from heterorl.protocol.wire.checkpoint import serialize_state_dict
 
 from ..learner.evaluate import HeldOutEval
 from ..learner.ranks import init_from_env
-from ..learner.trainer import Trainer, TrainerLike
+from ..learner.trainer import Trainer, TrainerLike, adamw
 from ..learner.update import StepOptions
 from ..model import adapter, load_model
 from ..model.prompts import PromptFormat
@@ -44,11 +45,12 @@ def model_factory(settings: RunSettings, model_dir: str | Path, device: str) -> 
 
 
 def make_trainer(
-    settings: RunSettings, model_dir: str | Path, device: str
+    settings: RunSettings, model_dir: str | Path, device: str, adamw_kernel: str = "auto"
 ) -> tuple[TrainerLike, object, int]:
     """The trainer, the tokenizer and the number of ranks. Under torchrun (``WORLD_SIZE`` > 1) this is rank
     0: the model is sharded over the group with FSDP2 and the other ranks follow its commands
-    (:func:`~heterorl.peer.learner.ranks.follow`); else one :class:`Trainer` on ``device``."""
+    (:func:`~heterorl.peer.learner.ranks.follow`); else one :class:`Trainer` on ``device``, its AdamW the
+    ``adamw_kernel`` asked for (:func:`~heterorl.peer.learner.trainer.adamw`)."""
     options = StepOptions.from_settings(settings)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         if settings.adapter is not None:
@@ -59,7 +61,12 @@ def make_trainer(
     model, tok = load_model(str(model_dir), device=device)
     if settings.adapter is not None:  # LoRA on the frozen base the run names
         model = adapter.for_training(model, settings.adapter, settings.learner.checkpoint_dtype)
-    return Trainer(model, options, tok.pad_token_id, adapter=settings.adapter is not None), tok, 1
+    optimizer = functools.partial(adamw, kernel=adamw_kernel)
+    return (
+        Trainer(model, options, tok.pad_token_id, adapter=settings.adapter is not None, optimizer=optimizer),
+        tok,
+        1,
+    )
 
 
 def held_out_eval(settings: RunSettings, task, tok) -> HeldOutEval | None:

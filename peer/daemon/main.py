@@ -103,6 +103,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--slowdown", type=float, default=1.0, help="sampler: run this many times slower (tests)")
     ap.add_argument("--max-batches", type=int, default=None, help="sampler: leave after this many batches")
     ap.add_argument("--max-steps", type=int, default=None, help="learner: stop after this many updates")
+    ap.add_argument(
+        "--adamw",
+        choices=("auto", "fused", "foreach", "loop"),
+        default="auto",
+        help="learner: torch's AdamW kernel. auto (default): the fused one where this device has it. "
+        "Learners of one run may each run another: the lineage's writer commits the update all add",
+    )
     ap.add_argument("--log-level", default="INFO")
     add_net_arguments(ap)
 
@@ -240,4 +247,4 @@ def _role(args: argparse.Namespace, peer_class: type | None) -> tuple[type, obje
         return peer_class or Sampler, options
     from .learner import Learner, LearnerOptions
 
-    return peer_class or Learner, LearnerOptions(max_steps=args.max_steps)
+    return peer_class or Learner, LearnerOptions(max_steps=args.max_steps, adamw=args.adamw)

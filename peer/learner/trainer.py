@@ -60,11 +60,21 @@ def scaled_optimizer_step(optimizer: torch.optim.Optimizer, scale: float) -> Non
             group["lr"] = lr
 
 
-def adamw(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """The learner's optimiser: AdamW without weight decay (the one place it is built), torch's fused kernel
-    where it has one for these parameters (CUDA, and CPU float32: ~6x faster than the per-tensor loop on a
-    135M model on 2 cores), else the default."""
+ADAMW_KERNELS = ("auto", "fused", "foreach", "loop")
+
+
+def adamw(params: Iterable[nn.Parameter], lr: float, kernel: str = "auto") -> torch.optim.Optimizer:
+    """The learner's optimiser: AdamW without weight decay (the one place it is built). ``kernel``: "auto"
+    takes torch's fused kernel where it has one for these parameters (CUDA, and CPU float32: ~6x faster than
+    the per-tensor loop on a 135M model on 2 cores), else the default; "fused", "foreach" or "loop" (the
+    per-tensor one) ask for that one. Learners of one lineage may each run another: the writer's update is
+    what every learner adds (:meth:`Trainer.commit_update`)."""
     params = list(params)
+    if kernel not in ADAMW_KERNELS:
+        raise ValueError(f"unknown AdamW kernel {kernel!r}; valid: {', '.join(ADAMW_KERNELS)}")
+    if kernel != "auto":
+        opts = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[kernel]
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **opts)
     try:
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
     except (RuntimeError, ValueError):  # no fused kernel for this device or dtype

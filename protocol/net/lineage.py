@@ -74,7 +74,7 @@ KEEPALIVE_S = 2.0  # while a member's part waits for its commit, the writer says
 WRITER_SILENT_S = 6.0  # a member that hears nothing from its writer this long calls it gone (< FRESH_S)
 MEMBER_IDLE_S = 600.0  # a member's next contribution: a step of a real model on a slow learner is minutes
 MANIFESTS_KEPT = 64  # the newest manifests the writer holds for members that have not had them
-HISTORY = 2  # commits the writer keeps (with their frames) for a member that fell behind
+HISTORY = 1  # commits the writer keeps (with their frames) for a member that fell behind a step
 STATE_TIMEOUT_S = 300.0  # a state offer: the writer's snapshot, then frames of the model's size
 TRAINED_ENTRY_BYTES = BATCH_ID_BYTES + HASH_BYTES  # a trained batch in a StateOffer's window: id, sha256
 
@@ -242,6 +242,7 @@ class LineageWriter:
 
     async def attach(self, node: Node) -> None:
         self._node, self._loop = node, asyncio.get_running_loop()
+        self._one_part = asyncio.Semaphore(1)
         await node.add_handler(PROTOCOL, self.handle)
 
     def activate(self, term: int, version: int, state: bytes) -> None:
@@ -511,8 +512,10 @@ class LineageWriter:
             rnd.busy += 1
             rnd.named.update(part.batch_ids)
         try:
-            grads = await asyncio.to_thread(decode_gradient, data, grad_sha256, self.schema)
-            await asyncio.to_thread(self.accumulate, part, grads)
+            async with self._one_part:  # one member's gradient in memory at a time, whatever the members
+                grads = await asyncio.to_thread(decode_gradient, data, grad_sha256, self.schema)
+                await asyncio.to_thread(self.accumulate, part, grads)
+                del grads
         except BaseException:
             with self._cond:
                 rnd.named.difference_update(part.batch_ids)
