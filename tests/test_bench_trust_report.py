@@ -3,6 +3,7 @@ figures are in docs/trust.md, and tests/test_trust_swarm*.py run its attacks).""
 
 from __future__ import annotations
 
+import argparse
 import sqlite3
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 from heterorl.bench.trust import (
     CONTROL,
     DEFAULT_ATTACKS,
+    add_arguments,
+    first_batch,
     held_out_evals,
     hostile_figures,
     ledger_batches,
@@ -56,6 +59,13 @@ def test_the_report_names_every_attack_the_control_and_the_honest_figures():
                 "eval_baseline": 0.3,
             },
             "flood": {"honest_intake_kept": 0.93, "flood_batches_accepted": 12, "flood_identities_seen": 5},
+            "flood-forged": {
+                "honest_intake_kept": 0.97,
+                "honest_intake_kept_flooding": 0.91,
+                "flood_started_after_s": 12.5,
+                "flood_batches_accepted": 0,
+                "flood_identities_seen": 24,
+            },
         },
         "honest_false_refusal": 0.0001,
         "honest_batches": 9000,
@@ -68,6 +78,7 @@ def test_the_report_names_every_attack_the_control_and_the_honest_figures():
     assert "control (no attacker)" in text and "eval 0.41 at the phase's end vs 0.3" in text
     assert "hostile batches trained 0 of 30; learner restarted" in text
     assert "honest intake kept 93%" in text and "0.01% of 9000" in text and "4.0% of learner time" in text
+    assert "honest intake kept 97%, 91% from its first batch (12.5 s in)" in text
     del r["control"]  # a result written before the control run still reads
     assert "control" not in report(r)
 
@@ -128,3 +139,82 @@ def test_reached_training_is_never_less_than_the_hostile_batches_share():
     # a sleeper: its honest batches' rows trained are its own business; the hostile batches' share counts
     assert reached_training(40 * 16, 60, 16, False, 0.1) == 0.1
     assert reached_training(0, 0, 16, True, 0.0) == 0.0
+
+
+def test_flood_forged_is_a_built_in_flood_and_several_attacks_can_be_named_at_once():
+    assert "flood-forged" in FLOODS and BUILT_IN["flood-forged"].__doc__
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert ap.parse_args(["--attacks", "flood", "flood-forged"]).attack == ["flood", "flood-forged"]
+    assert ap.parse_args(["--attack", "flood", "--attacks", "replay"]).attack == ["flood", "replay"]
+    assert ap.parse_args([]).attack is None  # every default attack
+
+
+def test_the_report_says_how_long_checks_waited_for_the_checkers_model_when_measured():
+    r = {
+        "engines": ["hf/float32"],
+        "seeded": True,
+        "updates": 10,
+        "attacks": {},
+        "honest_false_refusal": 0.0,
+        "honest_batches": 100,
+        "honest_banned": 0,
+        "check_time_frac": 0.05,
+        "check_wait_frac": 0.02,
+    }
+    assert "checks 5.0% of learner time (and 2.0% waiting for the checker's model)" in report(r)
+
+
+def test_flood_forged_signs_two_forged_batches_with_each_of_60_throw_away_keys_then_stops(monkeypatch):
+    import dataclasses
+
+    from heterorl.testing import attacks
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        max_pending: int = 4
+
+    class Sender:
+        def learner_busy_for(self) -> float:
+            return 3.0
+
+    class FakeSampler:
+        """What the attack changes of a sampler: make_batches signs each batch with the identity held."""
+
+        def __init__(self):
+            self.identity, self.opt, self.sender, self.signed = "honest key", Options(), Sender(), []
+
+        def make_batches(self, n):
+            first = len(self.signed)
+            ids = [(first + i).to_bytes(16, "big") for i in range(n)]
+            return [self.sign_batch([{"logprobs": [-1.0, -2.0]}], batch_id=bid) for bid in ids]
+
+        def sign_batch(self, rows, batch_id=None):
+            self.signed.append((self.identity, rows[0]["logprobs"]))
+            return batch_id, b"signed", 2
+
+    monkeypatch.setattr(attacks, "FLOOD_FORGED_IDLE_S", 0.0)
+    sampler = FakeSampler()
+    attacks.BUILT_IN["flood-forged"](sampler)
+    assert sampler.opt.max_pending == 64 and sampler.sender.learner_busy_for() == 0.0  # never waits
+    made = [len(sampler.make_batches(4)) for _ in range(9)]
+    assert made == [16] * 7 + [8, 0]  # 120 forged batches, then nothing more
+    keys = [k for k, _ in sampler.signed]
+    assert len(keys) == 120 and len(set(keys)) == 60 and "honest key" not in keys
+    assert all(keys[i] == keys[i + 1] for i in range(0, 120, 2))  # two batches per key, one after the other
+    assert all(lp == [-1.5, -2.5] for _, lp in sampler.signed)  # every log-prob shifted by -0.5
+    assert len(sampler.hostile_batch_ids) == 120  # each one hostile
+
+
+def test_when_a_flood_queued_its_first_batch(tmp_path):
+    import time
+
+    from heterorl.protocol.storage.outbox import Outbox
+
+    assert first_batch(tmp_path, deadline=time.time() + 1) is None  # none made by the deadline
+    with Outbox(tmp_path / "outbox.sqlite") as outbox:
+        assert first_batch(tmp_path, deadline=time.time() + 1) is None  # the outbox, but nothing made yet
+        outbox.put(b"b" * 16, b"signed", 0)
+        outbox.ack(b"b" * 16)  # delivered already: it was made all the same
+        t = time.time()
+        assert t <= first_batch(tmp_path, deadline=t + 30) < t + 5

@@ -8,6 +8,7 @@ import hashlib
 
 import pytest
 
+from heterorl.peer.learner.budget import CheckBudget
 from heterorl.peer.learner.buffer import TrajectoryBuffer
 from heterorl.peer.learner.spotcheck import Verdict
 from heterorl.peer.learner.trust import LearnerTrust
@@ -273,3 +274,56 @@ def test_a_ban_another_learner_signed_is_honoured(tmp_path):
     assert "banned by learner 0505" in trust.reputation.bans()[ALICE.public_key]
     assert len(buffer) == 0 and ledger.bans()  # its batches not trained on are gone, and the ban is durable
     assert "banned" in str(arrive(trust, ledger, ALICE, 2))
+
+
+def test_past_probations_share_of_check_time_a_new_author_is_deferred_without_a_strike(tmp_path):
+    """All of a new author's batches are checked: while probation's share of the learner's time is spent,
+    its batch is deferred ("busy") before the intake checks and the new authors' rate are spent on it."""
+    trust, ledger, _ = make(tmp_path, checks=True, capacity=8, record_batches=1)
+    bucket = trust.reputation._bucket
+    trust.budget.spend(10.0, probation=True)  # a flood's checks took probation's share
+    out = arrive(trust, ledger, ALICE, 1)
+    assert isinstance(out, Deferral) and "busy" in out.reason and out.retry_after_s >= 5.0
+    assert trust.final()["deferred_by_check"] == {"busy": 1} and trust.reputation.strikes() == {}
+    assert len(trust.held) == 0 and ledger.pending() == []
+    assert trust.reputation._bucket == bucket  # the new authors' rate was not spent on it
+    assert trust.stats()["trust/check_busy_probation"] == 1
+    trust.reputation.passed_check(BOB.public_key, 0.0, 1.0)  # an author with a record is not deferred
+    assert arrive(trust, ledger, BOB, 2) is None
+
+
+def test_past_the_check_share_held_batches_of_authors_with_a_record_stay_held(tmp_path):
+    trust, ledger, buffer = make(tmp_path, checks=True, capacity=8, record_batches=1)
+    arrive(trust, ledger, ALICE, 1)
+    trust.reputation.passed_check(ALICE.public_key, 0.0, 1.0)  # a record; its batch still held
+    clock = [1000.0]
+    trust.budget = CheckBudget(0.10, 0.05, clock=lambda: clock[0])
+    trust.budget.spend(10.0, probation=False)  # the checks of authors with a record took their share
+    trust.release_on_demand()  # training is short of data, but there is no time to check
+    assert trust.spot_check.checked == [] and len(trust.held) == 1 and len(buffer) == 0
+    trust.spot_check.verdicts[ALICE.public_key] = Verdict("busy", strike=False, busy=True)
+    trust.check_held(ALICE.public_key)  # the checker itself says busy: the same
+    assert len(trust.held) == 1 and ledger.dropped() == {} and trust.reputation.strikes() == {}
+    clock[0] += 10.0 / 0.05  # their share of the clock paid it back
+    del trust.spot_check.verdicts[ALICE.public_key]
+    trust.release_on_demand()
+    assert len(trust.held) == 0 and len(buffer) == 1
+
+
+def test_short_of_data_the_sweep_checks_once_what_is_held_completes_the_next_update(tmp_path):
+    """One check releases all its author holds: while what is held would not complete the next update, the
+    sweep waits for more (a check per update, not one per batch as batches trickle in)."""
+    trust, ledger, buffer = make(
+        tmp_path, checks=True, capacity=32, record_batches=1, new_author_batches_per_s=100.0
+    )
+    trust.settings = dataclasses.replace(
+        trust.settings, learner=dataclasses.replace(trust.settings.learner, prompts_per_update=3)
+    )
+    for n in (1, 2):
+        assert arrive(trust, ledger, BOB, n) is None
+    trust.reputation.passed_check(BOB.public_key, 0.0, 1.0)
+    trust.release_on_demand()  # 2 groups held, the update wants 3: not yet
+    assert trust.spot_check.checked == [] and len(trust.held) == 2
+    assert arrive(trust, ledger, BOB, 3) is None
+    trust.release_on_demand()
+    assert trust.spot_check.checked == [body(3)["batch_id"]] and len(buffer) == 3

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from heterorl.peer.learner.budget import CheckBudget
 from heterorl.peer.learner.intake import Admission, Refusal
 from heterorl.peer.learner.replica import ModelReplica
 from heterorl.peer.learner.reputation import Reputation
@@ -79,7 +80,13 @@ def world(tiny_model_dir):
 
 
 def make_check(
-    world, load=None, trust: TrustSettings | None = None, top_p: float = TOP_P, factory=None
+    world,
+    load=None,
+    trust: TrustSettings | None = None,
+    top_p: float = TOP_P,
+    factory=None,
+    budget: CheckBudget | None = None,
+    held=None,
 ) -> SpotCheck:
     """A checker whose replica is the run's model loaded again (as the learner builds it)."""
     model, tok, weights, _ = world
@@ -87,11 +94,12 @@ def make_check(
     return SpotCheck(
         ModelReplica(factory or (lambda: load_model(tiny_model_dir_of(world))[0])),
         VersionWeights(load or weights.get, trust.check_versions),
-        Reputation(trust, buffer_capacity=64),
+        Reputation(trust, buffer_capacity=64, **({"held": held} if held is not None else {})),
         trust,
         pad_id=tok.pad_token_id,
         temperature=TEMPERATURE,
         top_p=top_p,
+        budget=budget,
     )
 
 
@@ -334,3 +342,58 @@ def test_a_version_no_longer_held_is_not_retried(world):
     check = make_check(world, load=lambda version: None)
     verdict = check.check(batch(rows[0], 7), b"u" * 32)
     assert verdict.reason is not None and not verdict.retry and not verdict.strike
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_checks_of_authors_without_a_record_past_their_budget_defer_and_never_strike(world):
+    """A forged batch of an author on probation: checked (a strike) while probation's share of time has
+    credit; past it, deferred (busy, no strike, not checked); checked again once the clock gave it back."""
+    _, _, _, rows = world
+    clock = FakeClock()
+    budget = CheckBudget(0.10, 0.05, window_s=1e-4, clock=clock)  # a burst of 5 µs: one check overdraws it
+    check = make_check(world, budget=budget)
+    strikes: list[tuple] = []
+    admission = Admission([("spot check", check)], on_strike=lambda *a: strikes.append(a))
+    author = b"p" * 32
+    forged = [{**r, "logprobs": [x - 0.5 for x in r["logprobs"]]} for r in rows[0]]
+    assert "log-probs disagree" in str(admission(batch(forged, 0), author))
+    assert len(strikes) == 1 and check.checked == 1
+    took = check.seconds
+    assert took > 0 and budget.probation.spent_s == pytest.approx(took)
+    for _ in range(3):  # the flood goes on: deferred, not struck, not checked
+        out = admission(batch(forged, 0), author)
+        assert isinstance(out, Deferral) and "busy" in out.reason, out
+        assert 5.0 <= out.retry_after_s <= 30.0  # a new author: no sooner than the rate limit says
+    assert check.last.busy and not check.last.strike
+    assert len(strikes) == 1 and check.checked == 1 and admission.deferred["spot check"] == 3
+    assert budget.stats()["trust/check_busy_probation"] == 3
+    assert budget.recorded.spent_s == 0.0  # probation's time only
+    clock.now += took / 0.05 + 1.0  # its share of the clock paid the check back
+    assert "log-probs disagree" in str(admission(batch(forged, 0), author))
+    assert len(strikes) == 2 and check.checked == 2
+
+
+def test_past_the_budget_a_batch_of_an_author_with_a_record_is_held_unchecked_or_deferred_if_it_holds_enough(
+    world,
+):
+    _, _, _, rows = world
+    trust = TrustSettings(record_batches=1, check_rate=1.0, hold_batches=4)
+    held = {"n": 0}
+    budget = CheckBudget(0.10, 0.05, clock=FakeClock())
+    check = make_check(world, trust=trust, budget=budget, held=lambda author: (held["n"], None))
+    author = b"r" * 32
+    check.reputation.passed_check(author, 0.0, 1.0)  # a record
+    budget.spend(10.0, probation=False)  # the checks of authors with a record spent their share
+    assert check(batch(rows[0], 0), author) is None  # accepted unchecked: the learner holds it
+    assert check.checked == 0 and check.last.busy
+    held["n"] = trust.hold_batches  # it holds all it may
+    out = check(batch(rows[0], 0), author)
+    assert isinstance(out, Deferral) and "busy" in out.reason and check.checked == 0
+    assert check.reputation.strikes() == {}

@@ -14,10 +14,13 @@ updates) gives ``eval_baseline`` (the last before the attacker joined) and ``eva
 phase, or the first after it), beside the control's ``eval_end``. For ``probation-restart`` the learner is
 restarted (SIGTERM, then started again on its state dir) once it accepted a few of the attacker's batches,
 all still held on probation (``learner_restarted``). A flood is measured by the honest samplers' intake
-during it against the baseline before it (``honest_intake_kept``). For the honest samplers: the share of
+during its phase against the baseline before it (``honest_intake_kept``), and from its first batch on
+(``honest_intake_kept_flooding``; the phase holds the flood's start-up, ``flood_started_after_s``, which at
+nice 19 on a loaded machine can outlast the phase). For the honest samplers: the share of
 their batches refused (``honest_false_refusal``) and how many were banned (``honest_banned``).
-``check_time_frac`` is the checks' time over the learner's wall time during the baselines (the default
-rates, no attacker).
+``check_time_frac`` is the checks' time (the checker's model held: loading a version, recomputing, judging)
+over the learner's wall time during the baselines (the default rates and shares, no attacker);
+``check_wait_frac`` the checks' time spent waiting for that model (another check, the held-out eval).
 
 Samplers and attackers run at ``nice 10`` and the flood at ``nice 19``, as if on machines of their own: on
 these two shared cores, an attacker's CPU would otherwise slow the honest samplers, which is not what the
@@ -58,6 +61,7 @@ CONTROL = "none"  # the control run's name: no attacker
 EVAL_EVERY = 10  # learner.eval_every of the bench's runs: several held-out evaluations per phase
 # probation-restart: the learner restarts once it accepted this many of the attacker's batches
 RESTART_AFTER_ACCEPTED = 3
+MIN_FLOODING_S = 5.0  # a flood's intake from its first batch on is reported when it flooded this long
 
 SEEDED_MIN_REPRODUCED = 0.9
 # the run's thresholds for the tiny model and its hf engines, as a host calibrates its run (docs/trust.md):
@@ -90,6 +94,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         metavar="NAME|MODULE:FUNCTION",
         help=f"an attack to run (repeatable; default: every built-in: {', '.join(DEFAULT_ATTACKS)}); a "
         f"control run with no attacker ({CONTROL!r}) comes first either way",
+    )
+    ap.add_argument(
+        "--attacks",
+        nargs="+",
+        action="extend",
+        dest="attack",
+        metavar="NAME|MODULE:FUNCTION",
+        help="several attacks at once (the same as --attack, once for each)",
     )
     ap.add_argument(
         "--honest",
@@ -227,7 +239,15 @@ def run(args: argparse.Namespace) -> dict:
     model = ensure_model(TINY_MODEL_DIR)
     seeded = not args.unseeded and all(e.startswith("hf/") for e in engines)
     out: dict = {"engines": engines, "seeded": seeded, "attacks": {}, "root": str(root)}
-    honest = {"refused": 0, "accepted": 0, "banned": 0, "check_s": 0.0, "wall_s": 0.0, "updates": 0}
+    honest = {
+        "refused": 0,
+        "accepted": 0,
+        "banned": 0,
+        "check_s": 0.0,
+        "check_wait_s": 0.0,
+        "wall_s": 0.0,
+        "updates": 0,
+    }
     out["honest_reproduced_frac"] = {}
     runs = [(CONTROL, root / "run-control")] + [(a, root / f"run-{i}") for i, a in enumerate(attacks)]
     for attack, run_root in runs:
@@ -244,6 +264,7 @@ def run(args: argparse.Namespace) -> dict:
     out["honest_batches"] = honest["refused"] + honest["accepted"]
     out["honest_banned"] = honest["banned"]
     out["check_time_frac"] = round(honest["check_s"] / max(1e-9, honest["wall_s"]), 4)
+    out["check_wait_frac"] = round(honest["check_wait_s"] / max(1e-9, honest["wall_s"]), 4)
     out["updates"] = honest["updates"]
     return out
 
@@ -258,6 +279,28 @@ def _until_banned(swarm, attacker_dir: Path, deadline: float) -> None:
         except (OSError, ValueError):
             pass  # no key file yet, or the dashboard busy: ask again
         time.sleep(2)
+
+
+def first_batch(attacker_dir: Path, deadline: float) -> float | None:
+    """When the attacker first queued a batch in its outbox (polled; None if it made none by ``deadline``):
+    a flood at nice 19 takes a while to start (on a loaded machine, longer than a phase lasts)."""
+    path = attacker_dir / "outbox.sqlite"
+    while time.time() < deadline:
+        try:
+            if path.exists():
+                conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+                try:
+                    made = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'items'").fetchone()
+                finally:
+                    conn.close()
+                if made and made[0] > 0:
+                    break
+        except sqlite3.Error:
+            pass  # not created yet, or being written: ask again
+        time.sleep(0.5)
+    else:
+        return None
+    return time.time()
 
 
 def restart_on_probation(swarm, learner, attacker_dir: Path, deadline: float, after: int = 3) -> tuple:
@@ -317,6 +360,9 @@ def _one_run(
             flags = ("--nice", "19" if flood else "10", "--attack", attack)
             proc = swarm.start_sampler("attacker", *flags, module="heterorl.testing.hostile")
         t_start = time.time()
+        t_first = None  # a flood's first batch: its phase holds the flood's start-up, then the flood
+        if flood and proc is not None:
+            t_first = first_batch(root / "attacker", t_start + args.phase_s)
         if attack in RESTARTS:
             deadline = t_start + max(args.phase_s, args.phase_max_s)
             learner, n = restart_on_probation(
@@ -345,12 +391,16 @@ def _one_run(
     honest_keys = [_key_of(root / n) for n in honest_names]
     mine = _final(root / "attacker") if attack is not None else {}
     if flood:  # the honest samplers' trained rows per second, during the flood and in the baseline before it
-        kept = _rows_per_s(during, honest16, t_start, t_end) / max(
-            1e-9, _rows_per_s(base_rows, honest16, *base)
-        )
+        base_rate = max(1e-9, _rows_per_s(base_rows, honest16, *base))
+        kept = _rows_per_s(during, honest16, t_start, t_end) / base_rate
+        flooding = None  # from its first batch on
+        if t_first is not None and t_end - t_first >= MIN_FLOODING_S:
+            flooding = _rows_per_s(_window(metrics, t_first, t_end), honest16, t_first, t_end) / base_rate
         flooders = {a: r for a, r in authors.items() if a not in set(honest_keys)}
         entry.update(
             honest_intake_kept=round(kept, 3),
+            honest_intake_kept_flooding=None if flooding is None else round(flooding, 3),
+            flood_started_after_s=None if t_first is None else round(t_first - t_start, 1),
             flood_batches_made=mine.get("batches_made", 0),
             flood_identities_seen=len([a for a, r in flooders.items() if r["accepted"] or r["strikes"]]),
             flood_batches_accepted=sum(r["accepted"] for r in flooders.values()),
@@ -390,12 +440,16 @@ def _one_run(
         )
     c0 = base_rows[0] if base_rows else {}
     c1 = base_rows[-1] if base_rows else {}
-    refused = sum(learner_stats.get("strikes", {}).get(k, 0) for k in honest_keys)
+    # refused at intake (the receiver's count, staleness included), or struck by a check of a held batch
+    # after it was accepted (the author's record): whichever says more
+    at_intake = learner_stats.get("strikes", {})
+    refused = sum(max(at_intake.get(k, 0), authors.get(k, {}).get("strikes", 0)) for k in honest_keys)
     honest = {
         "refused": refused,
         "accepted": sum(authors.get(k, {}).get("accepted", 0) for k in honest_keys),
         "banned": sum(k in bans for k in honest_keys),
         "check_s": c1.get("trust/check_s", 0) - c0.get("trust/check_s", 0),
+        "check_wait_s": c1.get("trust/check_wait_s", 0) - c0.get("trust/check_wait_s", 0),
         "wall_s": c1.get("time", 0) - c0.get("time", 0),
         "updates": learner_stats.get("step") or 0,
         "reproduced": {k[:16]: reproduced.get(k) for k in honest_keys},
@@ -419,8 +473,14 @@ def report(r: dict) -> str:
         )
     for name, a in r["attacks"].items():
         if "honest_intake_kept" in a:
+            flooding = a.get("honest_intake_kept_flooding")
+            since = (
+                f", {flooding:.0%} from its first batch ({a['flood_started_after_s']} s in)"
+                if flooding is not None
+                else ""
+            )
             lines.append(
-                f"  {name:24s} honest intake kept {a['honest_intake_kept']:.0%} "
+                f"  {name:24s} honest intake kept {a['honest_intake_kept']:.0%}{since} "
                 f"({a['flood_batches_accepted']} flood batches taken from {a['flood_identities_seen']} keys; "
                 f"{_eval_text(a)})"
             )
@@ -436,9 +496,12 @@ def report(r: dict) -> str:
                 f"({a['hostile_batches_accepted']} of {a['hostile_batches_answered']} batches accepted"
                 f"{hostile}{restart}; reward {a['reward_during']} vs {a['reward_baseline']}; {_eval_text(a)})"
             )
+    wait = ""
+    if "check_wait_frac" in r:
+        wait = f" (and {r['check_wait_frac']:.1%} waiting for the checker's model)"
     lines.append(
         f"honest: {r['honest_false_refusal']:.2%} of {r['honest_batches']} batches refused, "
-        f"{r['honest_banned']} banned; checks {r['check_time_frac']:.1%} of learner time"
+        f"{r['honest_banned']} banned; checks {r['check_time_frac']:.1%} of learner time{wait}"
     )
     return "\n".join(lines)
 

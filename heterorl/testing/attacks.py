@@ -457,6 +457,51 @@ def flood(sampler: Sampler, identities: int = 64) -> None:
     sampler.make_batches = make_batches
 
 
+FLOOD_FORGED_IDENTITIES = 60  # flood-forged's throw-away keys
+FLOOD_FORGED_PER_KEY = 2  # ... and the forged batches each sends: fewer than trust.ban_strikes, never banned
+FLOOD_FORGED_IDLE_S = 1.0  # its keys spent, the attacker only resends what the learner deferred
+
+
+def flood_forged(
+    sampler: Sampler, identities: int = FLOOD_FORGED_IDENTITIES, per_key: int = FLOOD_FORGED_PER_KEY
+) -> None:
+    """Throw-away keys, each sending ``per_key`` forged batches (log-probs shifted as :func:`forged_shift`
+    shifts them) and never another: each batch costs the learner a full spot check (a key without a record
+    has all its batches checked) and its key never reaches ``trust.ban_strikes``, so no ban ends the flood.
+    ``identities`` keys (:data:`FLOOD_FORGED_IDENTITIES`), never waiting for the learner's "busy"; once all
+    have sent theirs, the sampler makes nothing more and only resends what the learner deferred. Measured
+    as :func:`flood` is: by the honest samplers' intake during it."""
+    keys = [Identity.generate() for _ in range(identities)]
+    left = identities * per_key  # forged batches still to make
+    make, sign = sampler.make_batches, sampler.sign_batch
+    sampler.opt = dataclasses.replace(sampler.opt, max_pending=64)
+    sampler.sender.learner_busy_for = lambda: 0.0  # never waits for the learner's "busy"
+    signed = 0
+
+    def sign_forged(rows, **kw):
+        nonlocal signed
+        if signed % per_key == 0:  # the next throw-away key (its rows' seeds were drawn for another:
+            sampler.identity = keys[signed // per_key]  # the forged log-probs are refused first anyway)
+        signed += 1
+        _shift(rows)
+        bid, data, tokens = sign(rows, **kw)
+        _mark(sampler, bid)
+        return bid, data, tokens
+
+    def make_batches(n: int):
+        nonlocal left
+        n = min(max(n, 16), left)  # one engine call, as the flood's
+        if n <= 0:
+            time.sleep(FLOOD_FORGED_IDLE_S)
+            return []
+        left -= n
+        return make(n)
+
+    hostile_ids(sampler)
+    sampler.sign_batch = sign_forged
+    sampler.make_batches = make_batches
+
+
 BUILT_IN = {
     "forged-shift": forged_shift,
     "forged-constant": forged_constant,
@@ -473,8 +518,9 @@ BUILT_IN = {
     "sleeper": sleeper,
     "probation-restart": probation_restart,
     "flood": flood,
+    "flood-forged": flood_forged,
 }
-FLOODS = ("flood",)  # attacks measured by the honest samplers' intake, not by bans
+FLOODS = ("flood", "flood-forged")  # attacks measured by the honest samplers' intake, not by bans
 RESTARTS = ("probation-restart",)  # attacks during which `heterorl bench trust` restarts the learner
 
 

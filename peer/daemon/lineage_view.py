@@ -118,7 +118,8 @@ class LineageView:
             addresses[r.author] = Address(b["peer_id"], tuple(b["maddrs"]))
             if b.get("bans"):
                 bans.append((r.author, {bytes(x["author"]): x["reason"] for x in b["bans"]}))
-        self.liveness.forget(authors)
+        if authors:  # (an empty answer says nothing about who left: keep their last changes)
+            self.liveness.forget(authors)
         with self._lock:
             self._seen, self._addresses = seen, addresses
             self._live = changed or self._live and self.liveness.any_fresh(a for a in authors if a != self.me)

@@ -38,6 +38,11 @@ class HeldBatches:
             items = self._held.get(author) or []
             return len(items), (items[0].received_at if items else None)
 
+    def groups(self, author: bytes) -> int:
+        """Prompt groups in the batches ``author`` holds (what releasing them would give training)."""
+        with self._lock:
+            return sum(b.groups for b in self._held.get(author) or [])
+
     def newest(self, author: bytes) -> Buffered | None:
         with self._lock:
             items = self._held.get(author) or []

@@ -5,8 +5,9 @@
   while its token choices so far lean one way, |z| > :data:`SUSPICIOUS_Z`), the learner holds what it
   accepted from it out of training until it has one (probation: a ban drops it all), and authors without a
   record share a rate
-  limit and a share of the buffer, so a flood of fresh identities cannot crowd honest samplers out (deferred,
-  not struck: "busy, retry later"). A strike owes ``record_batches`` dense checks again.
+  limit and a share of the buffer (and the learner's probation share of checking time, :mod:`.budget`), so a
+  flood of fresh identities cannot crowd honest samplers out (deferred, not struck: "busy, retry later"). A
+  strike owes ``record_batches`` dense checks again.
 - **Strikes and bans.** Every refusal of the admission chain but flow control and staleness is a strike; at
   ``ban_strikes`` strikes that are also ``ban_strike_share`` of its checked batches the author is banned for
   the run. ``on_ban(author, reason)`` then drops what it sent that is not yet trained on; bans persist in the

@@ -8,7 +8,10 @@ kept in memory, loaded into the learner's :class:`.replica.ModelReplica` (its ow
 with the held-out evaluation), so training never waits on it nor shares its weights. A version the store no
 longer holds cannot be checked: the batch is refused without a strike (its data is that stale anyway). A
 check that fails on this side (weights that do not load, a CUDA out-of-memory, any error in the model) is no
-verdict on the batch: the sampler is told to retry it later (a :class:`Deferral`).
+verdict on the batch: the sampler is told to retry it later (a :class:`Deferral`). Nor is a check the
+budget (:mod:`.budget`) has no time for: it is not run (``busy``); a batch of an author without a record is
+deferred, one of an author with a record accepted unchecked and held (deferred once it holds
+``trust.hold_batches``).
 
 The verdict (:func:`judge`) refuses a batch whose claimed log-probs disagree with the recomputation (the
 median over rows of each row's median ``exp(|Δ|) - 1``, or any one row's, or the mean ``|Δ|`` over all its
@@ -35,6 +38,7 @@ from heterorl.protocol.wire.checkpoint import deserialize_state_dict
 from heterorl.protocol.wire.seeds import row_seed
 
 from ..model.logprobs import completion_logits
+from .budget import CheckBudget
 from .intake import Refusal
 from .replica import ModelReplica
 from .reputation import Reputation
@@ -55,6 +59,7 @@ class Verdict:
     strike: bool = True  # False: the batch could not be checked (not the author's fault)
     stats: dict = dataclasses.field(default_factory=dict)
     retry: bool = False  # True: the check itself failed (this side's error); the batch may be checked again
+    busy: bool = False  # True: not checked, the checks' share of time is spent (check it later)
 
 
 def judge(stats: RowStats, trust: TrustSettings, author_z: float | None = None) -> str | None:
@@ -167,8 +172,9 @@ class SpotCheck:
         temperature: float,
         top_p: float,
         run_id: str = "",
+        budget: CheckBudget | None = None,
     ):
-        self.replica = replica
+        self.replica, self.budget = replica, budget
         self.versions, self.reputation, self.trust = versions, reputation, trust
         self.pad_id, self.temperature, self.top_p, self.run_id = pad_id, temperature, top_p, run_id
         # per author: (tokens reproduced, tokens of seeded batches checked): what seeded sampling adds
@@ -180,7 +186,8 @@ class SpotCheck:
         self.refused = 0
         self.unverifiable = 0
         self.failed = 0  # checks that failed on this side: deferred, the batch retried later
-        self.seconds = 0.0
+        self.seconds = 0.0  # checking: the replica held (loading the version, recomputing, judging)
+        self.wait_seconds = 0.0  # waiting for the replica (another check, the held-out eval): not in seconds
         self.rows_checked = 0
         self.last: Verdict | None = None
 
@@ -190,6 +197,13 @@ class SpotCheck:
         verdict = self.check(body, author)
         if verdict.reason is None:
             return None
+        if verdict.busy:  # the checks' share of time is spent
+            n, _ = self.reputation.held(author)
+            if self.reputation.has_record(author) and n + 1 <= self.trust.hold_batches:
+                return None  # accepted unchecked: held until a later check of the author passes
+            probation = not self.reputation.has_record(author)
+            wait = self.budget.retry_after_s(probation) if self.budget is not None else CHECK_RETRY_AFTER_S
+            return Deferral(verdict.reason, wait)
         if verdict.retry:  # not accepted, not refused: the sampler keeps the batch and sends it again
             return Deferral(verdict.reason, CHECK_RETRY_AFTER_S)
         return Refusal(verdict.reason, verdict.strike)
@@ -197,7 +211,8 @@ class SpotCheck:
     def check(self, body: dict, author: bytes) -> Verdict:
         """Verify a batch now and count a pass in the author's record (the batch then vouches for the
         author's batches held before it); a refusal is the caller's to count. A verdict with ``retry`` is no
-        verdict on the batch (the check failed on this side): keep it, check it again later."""
+        verdict on the batch (the check failed on this side): keep it, check it again later; one with
+        ``busy`` was not checked (the budget's share of time is spent): the same."""
         verdict = self.verify(body, author)
         self.last = verdict
         if verdict.reason is None:
@@ -206,46 +221,63 @@ class SpotCheck:
         return verdict
 
     def verify(self, body: dict, author: bytes) -> Verdict:
-        """Recompute and judge one batch (counted in ``seconds``)."""
-        t = time.perf_counter()
-        try:
+        """Recompute and judge one batch, if the budget has time for it (``busy`` if not): the time the
+        replica is held is counted in ``seconds`` and charged to the budget (of probation while the author
+        has no record), the wait for it in ``wait_seconds``."""
+        asked = time.perf_counter()
+        with self.replica:  # one check (or eval) at a time: the budget sees the previous check's charge
+            t = time.perf_counter()
+            probation = not self.reputation.has_record(author)
             try:
-                stats = self._stats(body, author)
-            except Exception as e:  # weights that do not load, an out-of-memory, a failing model: this side's
-                log.warning("a batch could not be checked (retried later): %s: %s", type(e).__name__, e)
+                if self.budget is not None and not self.budget.allows(probation):
+                    kind = "authors without a record" if probation else "all checks"
+                    return Verdict(f"busy: the checks of {kind} have taken their share of the learner's time",
+                                   strike=False, busy=True)  # fmt: skip
+                return self._verify(body, author)
+            finally:
+                took = time.perf_counter() - t
                 with self._lock:
-                    self.failed += 1
-                return Verdict(f"could not be checked now ({type(e).__name__})", strike=False, retry=True)
+                    self.wait_seconds += t - asked
+                    self.seconds += took
+                if self.budget is not None:
+                    self.budget.spend(took, probation)
+
+    def _verify(self, body: dict, author: bytes) -> Verdict:
+        """Recompute and judge one batch (the replica held)."""
+        try:
+            stats = self._stats(body, author)
+        except Exception as e:  # weights that do not load, an out-of-memory, a failing model: this side's
+            log.warning("a batch could not be checked (retried later): %s: %s", type(e).__name__, e)
             with self._lock:
-                if stats is None:
-                    self.unverifiable += 1
-                    v = body["policy_version"]
-                    return Verdict(f"version {v} is no longer held to check the batch against", strike=False)
-                self.checked += 1
-                self.rows_checked += len(stats.tokens)
-            num = float((stats.surprise - stats.entropy).sum())
-            var = float(stats.variance.sum())
-            reason = judge(stats, self.trust, self.reputation.typicality_z(author, num, var))
-            if reason is not None:
-                with self._lock:
-                    self.refused += 1
-            summary = {
-                "logprob_dev": stats.batch_logprob_dev_median(),
-                "logprob_gap": stats.batch_logprob_gap_mean(),
-                "logprob_dev_row_max": float(stats.logprob_dev_median.max()),
-                "z": stats.batch_typicality_z(),
-                "z_num": num,
-                "z_var": var,
-                "tokens": float(stats.tokens.sum()),
-                "reproduced": stats.reproduced_share(),
-                "row_logprob_gap_max": _worst(stats.row_logprob_gap_mean())[1],
-                "row_abs_z_max": _worst(stats.typicality_z().abs())[1],
-                "seed_margin_max": None if stats.seed_margin is None else _worst(stats.seed_margin)[1],
-            }
-            return Verdict(reason, stats=summary)
-        finally:
+                self.failed += 1
+            return Verdict(f"could not be checked now ({type(e).__name__})", strike=False, retry=True)
+        with self._lock:
+            if stats is None:
+                self.unverifiable += 1
+                v = body["policy_version"]
+                return Verdict(f"version {v} is no longer held to check the batch against", strike=False)
+            self.checked += 1
+            self.rows_checked += len(stats.tokens)
+        num = float((stats.surprise - stats.entropy).sum())
+        var = float(stats.variance.sum())
+        reason = judge(stats, self.trust, self.reputation.typicality_z(author, num, var))
+        if reason is not None:
             with self._lock:
-                self.seconds += time.perf_counter() - t
+                self.refused += 1
+        summary = {
+            "logprob_dev": stats.batch_logprob_dev_median(),
+            "logprob_gap": stats.batch_logprob_gap_mean(),
+            "logprob_dev_row_max": float(stats.logprob_dev_median.max()),
+            "z": stats.batch_typicality_z(),
+            "z_num": num,
+            "z_var": var,
+            "tokens": float(stats.tokens.sum()),
+            "reproduced": stats.reproduced_share(),
+            "row_logprob_gap_max": _worst(stats.row_logprob_gap_mean())[1],
+            "row_abs_z_max": _worst(stats.typicality_z().abs())[1],
+            "seed_margin_max": None if stats.seed_margin is None else _worst(stats.seed_margin)[1],
+        }
+        return Verdict(reason, stats=summary)
 
     @torch.no_grad()
     def _stats(self, body: dict, author: bytes) -> RowStats | None:
@@ -287,5 +319,6 @@ class SpotCheck:
             "trust/unverifiable": self.unverifiable,
             "trust/check_failed": self.failed,
             "trust/check_s": round(self.seconds, 3),
+            "trust/check_wait_s": round(self.wait_seconds, 3),
             "trust/rows_checked": self.rows_checked,
         }

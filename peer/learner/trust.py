@@ -2,7 +2,9 @@
 
 One component owns all of it, with one interface to the learner role: admission (the ordered checks a batch
 passes before its Ack), probation and the hold (:mod:`.holding`), authors' records and bans
-(:mod:`.reputation`), the replay index (:mod:`.replay`) and the spot checker (:mod:`.spotcheck`).
+(:mod:`.reputation`), the replay index (:mod:`.replay`), the spot checker (:mod:`.spotcheck`) and the checks'
+share of the learner's time (:mod:`.budget`: probation's checks past theirs are deferred, held batches of
+authors with a record past theirs stay held).
 
 - Intake (the receiver's pool threads): :meth:`admit` is the admission chain, :meth:`has_room` flow control,
   :meth:`accepted` takes a batch the ledger holds: to the buffer if a check vouched for it and its author has
@@ -33,6 +35,7 @@ from heterorl.protocol.settings import RunSettings
 from heterorl.protocol.storage.ledger import AcceptedLog
 from heterorl.protocol.wire.errors import ProtocolError
 
+from .budget import CheckBudget
 from .buffer import Buffered, TrajectoryBuffer, staleness_refusal
 from .holding import HeldBatches
 from .intake import Admission, Check, Refusal
@@ -100,9 +103,12 @@ class LearnerTrust:
         self.manifests = ManifestIndex(store)
         self.abandoned = 0  # batches sampled on weights this learner does not hold: dropped, no strike
         self._retry_at: dict[bytes, float] = {}  # an author whose held check failed on our side: not before
+        # the checks' share of the learner's time: probation's own, and the rest for authors with a record
+        self.budget = CheckBudget(s.trust.check_share, s.trust.probation_check_share)
         self.spot_check = None if replica is None else self._spot_check(replica, pad_id)
         checks: list[tuple[str, Check]] = [
             ("banned", self.reputation.check_banned),  # cheapest first
+            ("busy", self._check_budget),  # before the rate: a deferred batch takes none of it
             ("rate", self.reputation.check_rate),
             ("rows", self._check_rows),
             ("version", self._check_version),
@@ -132,6 +138,7 @@ class LearnerTrust:
             temperature=s.sampling.temperature,
             top_p=s.sampling.top_p,
             run_id=s.run_id,
+            budget=self.budget,
         )
 
     # ---- intake ----
@@ -152,6 +159,19 @@ class LearnerTrust:
         self.replays.add(body, author)
         item = Buffered(body["batch_id"], author, body, time.time(), hashlib.sha256(raw).digest())
         self._admit(item, vouched=self.reputation.take_vouched(item.batch_id))
+
+    def _check_budget(self, _body: dict, author: bytes) -> Deferral | None:
+        """An author without a record has every batch checked: deferred while probation's share of the
+        learner's time is spent (the spot check asks the budget again as it starts: this is the cheap early
+        answer, before the intake checks and the new authors' rate are spent on the batch)."""
+        if self.spot_check is None or self.reputation.has_record(author):
+            return None
+        if self.budget.allows(probation=True):
+            return None
+        return Deferral(
+            "busy: the checks of authors without a record have taken their share of the learner's time",
+            self.budget.retry_after_s(probation=True),
+        )
 
     def _held_new(self) -> int:
         """Batches of authors without a record, held on probation (bounded in all)."""
@@ -318,9 +338,10 @@ class LearnerTrust:
                 log.exception("release sweep failed")
 
     def release_on_demand(self) -> None:
-        """When the buffer holds less than the next update takes, or flow control is full, the author with
-        a record holding the most batches has its newest one checked (a pass releases them all); an author
-        whose oldest held batch waited ``trust.hold_s`` has its newest checked too."""
+        """When flow control is full, or the buffer holds less than the next update takes and the author with
+        a record holding the most batches holds what it lacks, that author has its newest batch checked (a
+        pass releases them all); an author whose oldest held batch waited ``trust.hold_s`` has its newest
+        checked too."""
         if self.spot_check is None:
             return
         now, hold_s = time.time(), self.settings.trust.hold_s
@@ -331,15 +352,18 @@ class LearnerTrust:
             and self.reputation.check_banned({}, a) is None
             and self._retry_at.get(a, 0.0) <= now  # its last check failed on our side: later
         ]
-        if not candidates:
+        if not candidates or self.budget.wait_s(probation=False) > 0:  # their checks' share of time is spent
             return
         for author, _, oldest in candidates:  # quiet authors: nothing arrives that would be checked
             if oldest is not None and now - oldest >= hold_s:
                 self.check_held(author)
-        starving = self.buffer.groups() < self.settings.learner.prompts_per_update
+        wanted = self.settings.learner.prompts_per_update
+        short = wanted - self.buffer.groups()  # groups the next update lacks
         full = len(self.buffer) + sum(n for _, n, _ in candidates) >= self.buffer.capacity
-        if starving or full:
-            author = max(candidates, key=lambda c: (c[1], -(c[2] or now)))[0]
+        author = max(candidates, key=lambda c: (c[1], -(c[2] or now)))[0]
+        # short of data: check once what is held completes the next update (one check for all of it, not one
+        # per batch as it trickles in: checks cost time, and held batches wait at most hold_s anyway)
+        if full or 0 < short <= self.held.groups(author):
             self.check_held(author)
 
     def check_held(self, author: bytes) -> None:
@@ -351,6 +375,8 @@ class LearnerTrust:
         if newest is None:
             return
         verdict = self.spot_check.check(newest.body, author)
+        if verdict.busy:  # the checks' share of time is spent: they stay held, checked later
+            return
         if not verdict.retry:
             self._retry_at.pop(author, None)
         if verdict.reason is None:
@@ -407,7 +433,7 @@ class LearnerTrust:
 
     def stats(self) -> dict[str, float]:
         """What the checks did: batches checked and refused, their cost, bans, held, deferred new authors."""
-        check = self.spot_check.stats() if self.spot_check is not None else {}
+        check = {**self.spot_check.stats(), **self.budget.stats()} if self.spot_check is not None else {}
         return {
             **check,
             "trust/banned": len(self.reputation.bans()),

@@ -71,6 +71,17 @@ class TrustSettings:
         "batches of authors without a record held on probation, as a share of learner.buffer_batches (at "
         "least 2 × record_batches); more are deferred",
     )
+    check_share: float = setting(
+        0.10,
+        "spot checks together take at most this share of the learner's wall time (seconds of checking per "
+        "second, counted while a check holds the checker's model); a check past it is not run: the batch is "
+        'deferred ("busy, retry later", no strike) or, of an author with a record, stays held',
+    )
+    probation_check_share: float = setting(
+        0.05,
+        "... of which checks of authors without a record (probation) take at most this share: a flood of "
+        "fresh keys is deferred past it, and authors with a record keep check_share - probation_check_share",
+    )
     hold_batches: int = setting(
         16,
         "an author with a record has its unchecked batches held out of training until one of its later "
@@ -108,6 +119,15 @@ class TrustSettings:
         )
         for name in positive:
             check_number(f"trust.{name}", getattr(self, name), 0)
+        for name in ("check_share", "probation_check_share"):
+            check_number(f"trust.{name}", getattr(self, name), 0)
+        if self.check_share > 1:
+            raise ValueError(f"trust.check_share must be at most 1, got {self.check_share!r}")
+        if self.probation_check_share >= self.check_share:
+            raise ValueError(
+                "trust.probation_check_share must be less than trust.check_share (authors with a record get "
+                f"the rest), got {self.probation_check_share!r} and {self.check_share!r}"
+            )
         check_number("trust.max_outside_nucleus", self.max_outside_nucleus, 0, low_included=True)
         check_number("trust.ban_strike_share", self.ban_strike_share, 0, low_included=True)
         check_int("trust.record_batches", self.record_batches, 0)
