@@ -1,5 +1,5 @@
 """heterorl bench chaos end to end, on a short schedule: two learners of one lineage, two samplers, a fault
-every 8–12 s for 45 s (in network namespaces when run as root), then 20 s quiet. It must run the faults, stop
+every 6–8 s for 24 s (in network namespaces when run as root), then 12 s quiet. It must run the faults, stop
 everything and write its JSON, with every invariant at 0 and versions published after the last fault."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ INVARIANTS = {"forks", "honest_strikes", "trained_twice", "disagreements", "cras
 def test_a_short_chaos_campaign_runs_its_faults_and_reports(tmp_path, tiny_model_dir):
     out = tmp_path / "c.json"
     cmd = [sys.executable, "-m", "heterorl.cli", "bench", "chaos", "--learners", "2", "--samplers", "2"]
-    cmd += ["--duration", "45", "--quiet-s", "20", "--fault-every-s", "8", "12", "--seed", "3"]
+    cmd += ["--duration", "24", "--quiet-s", "12", "--fault-every-s", "6", "8", "--seed", "3"]
     cmd += ["--model-dir", str(tiny_model_dir), "--out", str(tmp_path / "work"), "--json", str(out)]
     r = subprocess.run(
         cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"}
