@@ -119,3 +119,28 @@ def test_prompts_from_another_task_are_refused(tok):
     reason = check(body, b"x" * 32)
     assert reason is not None and "not from this run's task" in reason
     assert check.by_author[b"x" * 32] == 1
+
+
+class _FailingScorer:
+    """A reward worker whose call on row ``bad`` timed out: 0, with the incident named."""
+
+    def __init__(self, task, bad: int):
+        self.task, self.bad, self.calls, self.incident = task, bad, 0, None
+
+    def __call__(self, prompt, completion, reference):
+        self.incident = "timeout" if self.calls == self.bad else None
+        self.calls += 1
+        return 0.0 if self.incident else self.task.reward_fn(prompt, completion, reference)
+
+
+def test_a_row_the_reward_worker_could_not_score_drops_the_batch_without_a_strike(tok):
+    from heterorl.peer.learner.intake import Refusal
+
+    task = ArithmeticTask(digits=1)
+    body = _body(task, tok, 8)
+    task.scorer = _FailingScorer(task, bad=2)
+    check = RewardCheck(task, tok)
+    outcome = check(body, b"a" * 32)
+    assert isinstance(outcome, Refusal) and not outcome.strike and "row 2" in outcome.reason
+    assert task.scorer.calls == 3  # the rest of the batch is not scored
+    assert check.batches_unscored == 1 and not check.by_author

@@ -299,7 +299,9 @@ def test_a_swarm_trains_on_a_data_set_the_coordinator_hosts_and_refuses_a_reward
         assert f"pass --allow-reward {reward}" in last and "ERROR" in last, last
         swarm.wait_step(2, timeout=120)
         importers = set(marker.read_text().split())
-        assert len(importers) == 2  # the learner and the sampler ran the reward; the refused peer did not
+        # the learner and the sampler ran the reward, each in its process and in its reward worker (which
+        # builds the task there: peer/tasks/sandbox.py); the refused peer did not
+        assert len(importers) == 4
         held = json.loads(body["hyperparameters"])["task"]["params"]["dataset"]
         for name in ("learner", "s0", "coordinator"):
             store = ChunkStore(swarm.root / name / "chunks", max_bytes=1 << 40, read_only=True)

@@ -165,6 +165,7 @@ class Learner:
             trust=self.trust,
             buffer=self.buffer,
             world_size=self.world_size,
+            rewards=getattr(runtime.task().scorer, "stats", dict),
         )
         self.publish_due = False  # a version is due and waits for the publisher to be free
         # several learner keys: one lineage of versions, one writer per term (learner_lineage.py)

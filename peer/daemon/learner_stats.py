@@ -30,6 +30,7 @@ SHOWN_STATS = (  # of an update's stats, those every heartbeat carries
     "mem/peak_mib",
 )
 SHOWN_EVAL = ("eval/step", "eval/sampled", "eval/greedy")
+SHOWN_REWARD_COUNTS = ("timeouts", "crashes", "blocked")  # what went wrong in the reward worker
 
 
 def _short(author: bytes) -> str:
@@ -41,7 +42,8 @@ class LearnerStats:
 
     ``step`` / ``published``: the trainer's version and the newest published one. ``receiver``: has
     ``counts()`` (a consistent copy of its counters). ``publisher``: ``stats()``; ``announcer``:
-    ``failures``; ``trust``: ``stats()`` and ``final()``; ``buffer``: ``len()``.
+    ``failures``; ``trust``: ``stats()`` and ``final()``; ``buffer``: ``len()``; ``rewards``: the reward
+    worker's counts (:meth:`~heterorl.peer.tasks.sandbox.RewardSandbox.stats`).
     """
 
     def __init__(
@@ -55,8 +57,9 @@ class LearnerStats:
         trust,
         buffer,
         world_size: int = 1,
+        rewards: Callable[[], dict] = dict,
     ):
-        self._step, self._published = step, published
+        self._step, self._published, self.rewards = step, published, rewards
         self.receiver, self.publisher, self.announcer = receiver, publisher, announcer
         self.trust, self.buffer, self.world_size = trust, buffer, world_size
         self.staleness: collections.Counter[str] = collections.Counter()
@@ -121,6 +124,7 @@ class LearnerStats:
             **{k: self.last[k] for k in SHOWN_STATS if k in self.last},
             **self.trust.stats(),
             **{k: v for k, v in self.last_eval.items() if k in SHOWN_EVAL},
+            **{f"reward_{k}": v for k, v in self.rewards().items() if k in SHOWN_REWARD_COUNTS and v},
         }
         strikes = collections.Counter(c.strikes)
         for who, n in strikes.most_common(MAX_SHOWN_STRIKES):
@@ -145,5 +149,6 @@ class LearnerStats:
             "train_s": self.train_s,
             "wait_s": self.wait_s,
             "eval": self.last_eval,
+            "rewards": self.rewards(),  # answers scored in the reward worker, timeouts, crashes, refusals
             **self.trust.final(),
         }

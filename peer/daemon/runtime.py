@@ -43,7 +43,8 @@ from heterorl.protocol.storage.jsonlog import append_row
 from heterorl.protocol.storage.store import ChunkStore
 from heterorl.protocol.wire.dataset import DATASET_PARAM, dataset_id_of
 
-from ..tasks import Task, get_task
+from ..tasks import Task
+from ..tasks.sandbox import TaskSpec, sandboxed_task
 from .consent import Consent, check_runspec
 from .hardware import Hardware
 from .heartbeat import Heartbeat, Status
@@ -113,6 +114,7 @@ class PeerRuntime:
             raise
         self.heartbeat: Heartbeat | None = None
         self._tasks: list[concurrent.futures.Future] = []
+        self._task: Task | None = None
 
     def __enter__(self) -> PeerRuntime:
         return self
@@ -129,8 +131,15 @@ class PeerRuntime:
         return resolve_model(self.settings.model.path, self.state_dir / "models", self.consent.model_dir)
 
     def task(self) -> Task:
-        """The run's task, its reward as allowed by the volunteer; a ``jsonl`` task's data set is fetched from
-        the swarm into the chunk store first (verified; held from a previous start, not fetched again)."""
+        """The run's task (built once, shared by the role's parts), its reward as allowed by the volunteer and
+        computed in a worker process (:mod:`~heterorl.peer.tasks.sandbox`); a ``jsonl`` task's data set is
+        fetched from the swarm into the chunk store first (verified; held from a previous start, not fetched
+        again)."""
+        if self._task is None:
+            self._task = self._build_task()
+        return self._task
+
+    def _build_task(self) -> Task:
         params = dict(self.settings.task.params)
         data = None
         if self.dataset_id is not None:
@@ -141,7 +150,8 @@ class PeerRuntime:
                 timeout=DATASET_TIMEOUT_S + 60,
             )
             log.info("data set %s: %d bytes, verified", self.dataset_id.hex()[:16], len(data))
-        return get_task(self.settings.task.name, allow_rewards=self.consent.rewards, data=data, **params)
+        spec = TaskSpec(self.settings.task.name, params, tuple(self.consent.rewards), data)
+        return sandboxed_task(spec)
 
     def running(self) -> bool:
         """True until the stop event is set; DaemonDied once the node's daemon is gone."""
@@ -245,4 +255,6 @@ class PeerRuntime:
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "_task", None) is not None and self._task.scorer is not None:
+            self._task.scorer.close()  # type: ignore[attr-defined]
         self.node.close()

@@ -235,13 +235,19 @@ class Sampler:
 
     def make_batch(self) -> tuple[bytes, bytes, int]:
         """Generate one TrajectoryBatch with the current policy; returns (batch id, signed bytes, tokens)."""
-        return self.make_batches(1)[0]
+        for _ in range(8):  # a batch whose reward could not be computed is not made: another is
+            made = self.make_batches(1)
+            if made:
+                return made[0]
+        raise RuntimeError("8 batches in a row had a reward the worker could not compute (see the log)")
 
     def make_batches(self, n: int) -> list[tuple[bytes, bytes, int]]:
         """Generate ``n`` TrajectoryBatches with the current policy in one engine call (split only where
         memory asks: ``gen_rows``): an engine's cost per call, not per row, dominates small batches (the tiny
         model's 16-row batches; vLLM batches what it is given). Each is signed on its own
-        (:meth:`sign_batch`); returns (batch id, signed bytes, tokens) of each."""
+        (:meth:`sign_batch`); returns (batch id, signed bytes, tokens) of each, leaving out any batch with a
+        reward the reward worker could not compute (a timeout or a crash there is not the rollout's reward).
+        """
         s = self.settings
         g, k = s.learner.group_size, s.sampler.prompts_per_batch
         examples = [self.task.sample(self.rng) for _ in range(n * k)]
@@ -254,11 +260,13 @@ class Sampler:
             for b in range(n)
             for r in range(per)
         ]
-        rows, i = [], 0
+        rows, i, unscored = [], 0, set()
         for roll in self._generate([encoded[p] for p in prompts], seeds):
             for j in range(len(roll.texts)):
                 length = int(roll.lengths[j])
                 reward = self.task.reward(prompts[i], roll.texts[j], examples[i // g].reference)
+                if getattr(self.task.scorer, "incident", None) is not None:
+                    unscored.add(i // per)
                 rows.append(
                     {
                         "group": (i // g) % k,  # each batch numbers its own groups
@@ -269,7 +277,15 @@ class Sampler:
                     }
                 )
                 i += 1
-        return [self.sign_batch(rows[b * per : (b + 1) * per], batch_id=bids[b]) for b in range(n)]
+        if unscored:  # a reward the worker could not compute is 0 here and maybe not on the learner
+            log.warning(
+                "%d batch(es) not sent: a reward could not be computed (see the reward log)", len(unscored)
+            )
+        return [
+            self.sign_batch(rows[b * per : (b + 1) * per], batch_id=bids[b])
+            for b in range(n)
+            if b not in unscored
+        ]
 
     def sign_batch(self, rows: list[dict], batch_id: bytes | None = None) -> tuple[bytes, bytes, int]:
         """``rows`` as a signed TrajectoryBatch of the held version: (batch id, signed bytes, tokens); with
@@ -395,6 +411,7 @@ class Sampler:
         """What this session did, for `heterorl local`'s summary and for tests (the heartbeat's stats)."""
         try:
             stats = {**self.refresh_status().stats, "tokens": self.tokens, "versions": self.loaded[-1000:]}
+            stats["rewards"] = getattr(self.task.scorer, "stats", dict)()  # the reward worker's counts
             self.rt.write_final_stats(stats)
         except Exception as e:  # leaving must not fail on it
             log.warning("final stats not written: %s", e)

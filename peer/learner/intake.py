@@ -84,6 +84,10 @@ class Admission:
         return None
 
 
+class ScoringIncident(Exception):
+    """The reward worker could not score a row of the batch."""
+
+
 class RewardCheck:
     """``check(body, author) -> None | reason``; plugs into ``TrajectoryReceiver(admit=...)``."""
 
@@ -94,14 +98,18 @@ class RewardCheck:
         self.prompts = prompts or PromptFormat(tokenizer, "off")
         self.rows_checked = 0
         self.rows_disagreeing = 0
+        self.batches_unscored = 0  # dropped because a row could not be scored
         self.by_author: collections.Counter[bytes] = collections.Counter()
         self._lock = threading.Lock()  # called from the intake pool's threads
 
     def rescore(self, body: dict) -> list[float | None]:
         """The learner's reward for each row, or None where the prompt is not one of this task's training
-        prompts (a held-out prompt is kept for evaluation: training on it would inflate the score)."""
+        prompts (a held-out prompt is kept for evaluation: training on it would inflate the score).
+        ScoringIncident where the reward worker could not score a row (a timeout, a crash, a refusal: see
+        :mod:`~heterorl.peer.tasks.sandbox`): the batch's other rows are not scored (each incident costs the
+        worker's time limit or a restart, so a batch pays for one)."""
         out: list[float | None] = []
-        for row in body["rows"]:
+        for i, row in enumerate(body["rows"]):
             prompt = self.prompts.decode(row["prompt_ids"])
             reference = None if prompt is None else self.task.reference_for(prompt)
             if reference is None or self.task.is_held_out(prompt):  # held-out prompts are not for training
@@ -110,10 +118,18 @@ class RewardCheck:
             out.append(
                 self.task.reward(prompt, completion_text(self.tokenizer, row["completion_ids"]), reference)
             )
+            incident = getattr(self.task.scorer, "incident", None)
+            if incident is not None:
+                raise ScoringIncident(f"row {i}'s reward could not be computed ({incident})")
         return out
 
-    def __call__(self, body: dict, author: bytes) -> str | None:
-        rewards = self.rescore(body)
+    def __call__(self, body: dict, author: bytes) -> str | Refusal | None:
+        try:
+            rewards = self.rescore(body)
+        except ScoringIncident as e:  # dropped without a strike: a loaded learner's time limit is not the
+            with self._lock:  # sampler's fault; the incident is counted and logged by the sandbox
+                self.batches_unscored += 1
+            return Refusal(f"{e}: the batch is dropped", strike=False)
         foreign = sum(r is None for r in rewards)
         wrong = (
             0

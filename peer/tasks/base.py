@@ -49,6 +49,7 @@ class Task(abc.ABC):
         if not callable(reward):
             raise ValueError(f"{self.name}: reward must be callable, got {reward!r}")
         self.reward_fn = reward
+        self.scorer: RewardFn | None = None  # where `reward` runs reward_fn: a worker process (.sandbox)
 
     @abc.abstractmethod
     def draw(self, rng: random.Random) -> Example:
@@ -95,8 +96,9 @@ class Task(abc.ABC):
         return None
 
     def reward(self, prompt: str, completion: str, reference: str) -> float:
-        """Score `completion`; raises ValueError if the reward function leaves [0, 1]."""
-        value = float(self.reward_fn(prompt, completion, reference))
+        """Score `completion` (in the sandbox's worker where :func:`~.sandbox.sandbox` gave the task one);
+        raises ValueError if the reward function leaves [0, 1]."""
+        value = float((self.scorer or self.reward_fn)(prompt, completion, reference))
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{self.name}: reward {value!r} is outside [0, 1]")
         return value

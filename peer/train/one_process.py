@@ -25,7 +25,8 @@ from ..learner.update import StepOptions
 from ..model import TINY_MODEL_DIR, adapter, ensure_model, load_model
 from ..model.prompts import PromptFormat
 from ..rollout import SamplingParams, make_backend
-from ..tasks import get_task, named_reward
+from ..tasks import named_reward
+from ..tasks.sandbox import TaskSpec, sandboxed_task
 from .policy_lag import PolicyLag
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,8 @@ def run_one_process(
     behaviour = copy.deepcopy(policy) if cfg.delay and cfg.backend == "hf" else policy
     lag = PolicyLag(policy, behaviour, cfg.delay)
     params = run.task.params  # the user's own settings: the reward they name is theirs to run
-    task = get_task(run.task.name, allow_rewards=named_reward(params), **params)
+    # rewards on sampled text run in a worker process (peer/tasks/sandbox.py), as they do on a peer
+    task = sandboxed_task(TaskSpec(run.task.name, params, named_reward(params)))
     prompts, group = run.learner.prompts_per_update, run.learner.group_size
     rows_per_step = prompts * group
     threads = torch.get_num_threads()
@@ -183,6 +185,8 @@ def run_one_process(
                 reward=f"{mean_r:.2f}", **held, stale=row["staleness"], ess=f"{stats['is/ess']:.2f}"
             )
     backend.close()
+    rewards = task.scorer.stats()  # type: ignore[union-attr]
+    task.scorer.close()  # type: ignore[union-attr]
 
     if save_checkpoint:
         policy.save_pretrained(out / "checkpoint", safe_serialization=True)
@@ -213,6 +217,7 @@ def run_one_process(
         "wall_s": time.perf_counter() - t0,
         "checkpoint_bytes": checkpoint_bytes,  # one published version (float32): adapters or all weights
         "trainable_params": sum(p.numel() for p in trainable),
+        "rewards": rewards,  # the reward worker's counts: answers, timeouts, crashes, errors, ...
         "config": to_dict(cfg),
     }
     atomic_write_json(out / "summary.json", summary, indent=1)
