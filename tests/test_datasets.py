@@ -109,6 +109,8 @@ def test_a_task_names_a_data_set_only_by_a_well_formed_id():
     for name, value in [("jsonl", "zz"), ("jsonl", h.hex()[:-2]), ("jsonl", 7), ("arithmetic", h.hex())]:
         with pytest.raises(ValueError, match="data set's id"):
             ds.dataset_id_of(name, {"dataset": value})
+    # reasoning_gym's `dataset` is the task's own parameter (a reasoning-gym data set's name), not an id
+    assert ds.dataset_id_of("reasoning_gym", {"dataset": "basic_arithmetic"}) is None
 
 
 def test_dataset_provider_records_live_under_the_data_sets_key():

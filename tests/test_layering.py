@@ -102,7 +102,7 @@ def test_the_checker_sees_a_violation():
 
 
 def test_help_loads_no_torch():
-    heavy = ("torch", "transformers", "vllm", "hivemind")
+    heavy = ("torch", "transformers", "vllm", "hivemind", "sympy", "reasoning_gym", "math_verify")
     code = (
         "import sys; from heterorl.cli import build_parser; build_parser(); "
         f"print([m for m in {heavy} if m in sys.modules])"

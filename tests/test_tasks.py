@@ -46,8 +46,8 @@ def _stream(task, seed: int, n: int = 20) -> list[Example]:
 
 
 def test_task_and_reward_names():
-    assert task_names() == ["arithmetic", "countdown", "jsonl"]
-    assert reward_names() == ["arithmetic_answer", "arithmetic_exact", "countdown", "gsm8k"]
+    assert task_names() == ["arithmetic", "countdown", "jsonl", "reasoning_gym"]
+    assert reward_names() == ["arithmetic_answer", "arithmetic_exact", "countdown", "gsm8k", "math_verify"]
     assert REWARDS["gsm8k"] is gsm8k
 
 

@@ -8,7 +8,10 @@ code the peer runs or which of its files it opens. :func:`check_runspec` refuses
 - a task that reads a file on the peer's disk (``jsonl:PATH``): a run's data set travels from the swarm by
   the id the RunSpec names (task ``jsonl`` with ``params.dataset``: :mod:`heterorl.protocol.net.datasets`);
 - a model that is a filesystem path (absolute, ``./``, ``../``, ``~``, anything but ``tiny`` and a plain
-  ``org/name`` hub id), unless the volunteer passed ``--model-dir DIR``: its own copy of the model.
+  ``org/name`` hub id), unless the volunteer passed ``--model-dir DIR``: its own copy of the model;
+- a task library this machine does not have in the version the run pins (``reasoning_gym``: reasoning-gym,
+  whose version chooses the prompts), or the ``math_verify`` reward without math-verify: the reason says what
+  to install.
 
 Which directory is then loaded, and what it may hold (no custom code, safetensors only), is
 :func:`~.weights.resolve_model`. Pure checks on the settings: no network, no files.
@@ -23,7 +26,7 @@ from pathlib import Path
 from heterorl.protocol.settings import TINY_MODEL, Run
 from heterorl.protocol.wire.dataset import dataset_id_of
 
-from ..tasks import REWARDS, task_names
+from ..tasks import REWARDS, math_reward, reasoning_gym, task_names
 from ..tasks.rewards import is_custom_reward
 
 ALLOW_REWARD_FLAG = "--allow-reward"
@@ -88,10 +91,26 @@ def refusals(run: Run, consent: Consent) -> list[str]:
                 reasons.append("task 'jsonl' names no data set (task.params.dataset)")
         except ValueError as e:
             reasons.append(str(e))
+    if name == reasoning_gym.TASK:
+        reasons += _library_refusals(params.get("version"))
     reward = params.get("reward")
     if reward is not None:
         reasons += _reward_refusals(reward, consent)
+    if reward == "math_verify" and math_reward.missing():
+        reasons.append(math_reward.missing())
     return reasons
+
+
+def _library_refusals(version: object) -> list[str]:
+    """A ``reasoning_gym`` run pins reasoning-gym's version (the host writes it): this peer must have that
+    one, or it would generate other prompts. Installed metadata only: nothing is imported."""
+    if not isinstance(version, str) or not version:
+        return [
+            f"task {reasoning_gym.TASK!r} pins no reasoning-gym version (task.params.version), so this peer "
+            "cannot tell whether it would generate the run's prompts"
+        ]
+    problem = reasoning_gym.version_problem(version)
+    return [problem] if problem else []
 
 
 def _reward_refusals(reward: object, consent: Consent) -> list[str]:

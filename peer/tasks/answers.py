@@ -1,4 +1,9 @@
-"""Final-answer extraction and normalisation (GSM8K ``####``, ``\\boxed{}``, last number)."""
+"""Final-answer extraction and normalisation (GSM8K ``####``, ``\\boxed{}``, last number), by hand.
+
+Only for what math-verify does not cover: GSM8K's ``#### 42`` convention (the number after the mark, not the
+last expression in the text), and the numeric tasks' rewards without a dependency. A LaTeX answer (fractions,
+sets, intervals, expressions) is for the ``math_verify`` reward (:mod:`.math_reward`).
+"""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from ._params import check_str
 from .answers import extract_answer, gsm8k
 from .base import ENUMERATE_MAX, HELD_OUT_MAX, Example, RewardFn, Task, in_held_out_split
+from .math_reward import math_reference, math_verify_reward
 
 
 class JsonlTask(Task):
@@ -16,7 +17,9 @@ class JsonlTask(Task):
     of a data set (a run's, fetched from the swarm and verified: :mod:`heterorl.protocol.net.datasets`).
 
     prompt = `prompt_template` with ``{question}`` filled in; solution = the raw answer field;
-    reference = `extract_answer` of the answer field.
+    reference = `extract_answer` of the answer field (a number, GSM8K's ``####``), or with the ``math_verify``
+    reward the field as it is (the text after ``####`` if it has one: :func:`~.math_reward.math_reference`),
+    which math-verify parses itself.
     """
 
     name = "jsonl"
@@ -78,7 +81,7 @@ class JsonlTask(Task):
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise ValueError(f"{where}: field {self.answer_field!r} must be a string or number")
         answer = str(answer)
-        reference = extract_answer(answer)
+        reference = math_reference(answer) if self.reward_fn is math_verify_reward else extract_answer(answer)
         if reference is None:
             raise ValueError(f"{where}: no final answer found in field {self.answer_field!r}")
         prompt = self.prompt_template.format(question=question)

@@ -1,5 +1,6 @@
-"""`get_task`: build a task from a spec string such as ``"countdown"`` or ``"jsonl:/data/gsm8k.jsonl"``, or a
-``"jsonl"`` task from a data set's bytes (what a peer builds from the data set a RunSpec names by hash)."""
+"""`get_task`: build a task from a spec string such as ``"countdown"``, ``"reasoning_gym"`` or
+``"jsonl:/data/gsm8k.jsonl"``, or a ``"jsonl"`` task from a data set's bytes (what a peer builds from the data
+set a RunSpec names by hash)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,18 @@ from .arithmetic import ArithmeticTask
 from .base import Task
 from .countdown import CountdownTask
 from .jsonl import JsonlTask
-from .rewards import load_reward
+from .math_reward import math_verify_reward
+from .math_reward import missing as math_verify_missing
+from .reasoning_gym import ReasoningGymTask
+from .rewards import REWARDS, load_reward
 
-_TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "jsonl": JsonlTask}
-_SPECS = "arithmetic, countdown, jsonl:/path/to/file.jsonl"
+_TASKS: dict[str, type[Task]] = {
+    "arithmetic": ArithmeticTask,
+    "countdown": CountdownTask,
+    "jsonl": JsonlTask,
+    "reasoning_gym": ReasoningGymTask,
+}
+_SPECS = "arithmetic, countdown, jsonl:/path/to/file.jsonl, reasoning_gym"
 
 
 def task_names() -> list[str]:
@@ -54,11 +63,15 @@ def get_task(
         )
     if isinstance(params.get("reward"), str):
         params["reward"] = load_reward(params["reward"], allow_rewards)
+    if params.get("reward") is math_verify_reward and math_verify_missing():
+        raise ValueError(math_verify_missing())
     return cls(*args, **params)
 
 
 def check_jsonl(data: bytes, params: Mapping[str, Any]) -> int:
-    """How many records data set ``data`` holds as a ``"jsonl"`` task with ``params`` (the reward left out:
-    a host checks its data set, not its code); ValueError naming the first bad record or parameter."""
-    task = get_task("jsonl", data=data, **{k: v for k, v in params.items() if k != "reward"})
+    """How many records data set ``data`` holds as a ``"jsonl"`` task with ``params`` (a custom reward left
+    out: a host checks its data set, not its code; a built-in one kept, since it chooses what a record's
+    reference is); ValueError naming the first bad record or parameter."""
+    kept = {k: v for k, v in params.items() if k != "reward" or (isinstance(v, str) and v in REWARDS)}
+    task = get_task("jsonl", data=data, **kept)
     return len(task.examples)  # type: ignore[attr-defined]

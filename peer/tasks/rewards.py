@@ -18,6 +18,7 @@ from .answers import gsm8k
 from .arithmetic import arithmetic_answer, arithmetic_exact
 from .base import RewardFn
 from .countdown import countdown
+from .math_reward import math_verify_reward
 
 REWARDS: Mapping[str, RewardFn] = MappingProxyType(
     {
@@ -25,6 +26,7 @@ REWARDS: Mapping[str, RewardFn] = MappingProxyType(
         "arithmetic_exact": arithmetic_exact,
         "countdown": countdown,
         "gsm8k": gsm8k,
+        "math_verify": math_verify_reward,  # needs the `tasks` extra; imports math-verify when it scores
     }
 )
 

@@ -25,6 +25,10 @@ from .sections import LimitsSettings, ModelSettings, ObjectiveSettings, Sampling
 from .tree import apply_overrides, from_dict, to_dict
 from .trust import TrustSettings
 
+# tasks whose own parameter is called "dataset" (protocol/wire/dataset.py's OWN_DATASET_PARAM, which settings
+# does not import): reasoning_gym names a reasoning-gym data set with it, not the id of the run's data set
+OWN_DATASET_PARAM = ("reasoning_gym",)
+
 log = logging.getLogger(__name__)
 
 MAX_LEARNER_KEYS = 64  # the RunSpec schema's bound
@@ -54,6 +58,9 @@ chat = "auto"                      # prompts via the chat template: auto (if the
 [task]
 name = "arithmetic"                # arithmetic | countdown | jsonl:PATH (a file here; peers fetch it by hash)
 params = { digits = 1 }            # a reward other than a built-in needs --allow-reward on every peer
+# name = "reasoning_gym"           # reasoning-gym's data sets (the tasks extra), one or a weighted mixture:
+# params = { dataset = "basic_arithmetic" }
+# params = { datasets = [{ name = "basic_arithmetic", weight = 1 }, { name = "leg_counting", weight = 2 }] }
 
 [objective]
 name = "gepo"                      # gepo (defensive sampling on stale data) | grpo | gspo | cispo | ...
@@ -176,7 +183,12 @@ def parse_run_config(data: Mapping[str, Any]) -> RunConfig:
     if isinstance(adapter, Mapping) and "base_hash" in adapter:
         raise ValueError("[adapter]: base_hash is computed by the coordinator from the model, not set here")
     task = data.get("task")
-    if isinstance(task, Mapping) and isinstance(task.get("params"), Mapping) and "dataset" in task["params"]:
+    if (
+        isinstance(task, Mapping)
+        and isinstance(task.get("params"), Mapping)
+        and "dataset" in task["params"]
+        and task.get("name") not in OWN_DATASET_PARAM
+    ):
         raise ValueError(
             "[task] params.dataset is the id the coordinator computes from a jsonl:PATH task, not set here"
         )

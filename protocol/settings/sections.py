@@ -33,7 +33,11 @@ class ModelSettings:
 class TaskSettings:
     """``[task]``: where prompts come from and how completions are rewarded."""
 
-    name: str = setting("arithmetic", "arithmetic | countdown | jsonl:PATH (peers fetch the file by hash)")
+    name: str = setting(
+        "arithmetic",
+        "arithmetic | countdown | jsonl:PATH (peers fetch the file by hash) | reasoning_gym (params.dataset, "
+        "or params.datasets: a mixture; needs the tasks extra)",
+    )
     params: dict = setting(None, "task parameters (and reward)", factory=lambda: {"digits": 1})
 
     def __post_init__(self) -> None:

@@ -33,6 +33,9 @@ MAX_DATASET_BYTES = 256 << 20  # the largest data set a peer accepts (every peer
 MAX_DATASET_CHUNKS = 4096
 MAX_MANIFEST_BYTES = 1 << 18  # 4096 hashes and the other fields fit with room to spare
 DATASET_PARAM = "dataset"  # the task parameter that names a data set by its id (hex)
+# tasks with a parameter of their own called "dataset", which names no data set of the run: reasoning_gym's is
+# the name of one of the reasoning-gym library's data sets
+OWN_DATASET_PARAM = frozenset({"reasoning_gym"})
 
 _MANIFEST = s.record(
     {
@@ -104,8 +107,9 @@ def check_whole(body: dict, data: bytes) -> None:
 
 def dataset_id_of(task_name: str, params: Mapping[str, Any]) -> bytes | None:
     """The data set a run's task names by id (task ``jsonl`` with ``params.dataset``: 64 hex characters), or
-    None for a task without one; ValueError for a ``dataset`` that is not such an id."""
-    if DATASET_PARAM not in params:
+    None for a task without one; ValueError for a ``dataset`` that is not such an id. In a task of
+    :data:`OWN_DATASET_PARAM`, ``dataset`` is the task's own parameter, never an id."""
+    if DATASET_PARAM not in params or task_name in OWN_DATASET_PARAM:
         return None
     value = params[DATASET_PARAM]
     try:
