@@ -33,6 +33,10 @@ Targets (see :data:`ALL_TARGETS`):
     subkey's owner (nor one whose message, key or expiration is wrong).
 ``chunk_request``
     ``protocol.net.chunks._parse_request`` on random and mutated chunk requests.
+``rewards`` (only when named: ``--targets rewards``; the others are :data:`DEFAULT_TARGETS`)
+    hostile answers (code, bombs, huge and invalid text, a connection to a listener) at every built-in
+    reward and task scorer through the reward sandbox: nothing may get out, every call returns a reward in
+    [0, 1] within the sandbox's limit, honest answers score as in process (:mod:`.reward_target`).
 
 Inputs come from a seeded :class:`random.Random` generator and, for a share of each target's inputs
 (``hypothesis_share``, default 0.2), from hypothesis strategies (``@seed``-ed, no database, generate phase
@@ -58,7 +62,8 @@ How the parts fit (each module's docstring says more):
 - :mod:`.oracle`: what every input must decode to, or why it must be refused (:class:`Oracle`);
 - :mod:`.generators`: valid bodies, edge values, mutations, msgpack packing, hypothesis value strategies;
 - :mod:`.base`: the target interface and one input's outcome; the targets: :mod:`.decode_targets`,
-  :mod:`.frame_target`, :mod:`.dht_target`, :mod:`.chunk_target`, registered by name in :mod:`.targets`;
+  :mod:`.frame_target`, :mod:`.dht_target`, :mod:`.chunk_target`, :mod:`.reward_target`, registered by name
+  in :mod:`.targets`;
 - :mod:`.harness`: keys and signing, running one input and sorting its outcome into the counts;
 - :mod:`.runner`: :func:`run_fuzz`, a whole run over the chosen targets;
 - :mod:`.report`: :class:`TargetStats` / :class:`FuzzReport`, the table and the JSON;
@@ -68,7 +73,7 @@ How the parts fit (each module's docstring says more):
 from . import config
 from .chunk_target import ChunkRequestTarget
 from .cli import add_arguments, main, run_from_args
-from .config import ALL_TARGETS, NOW, TARGET_WEIGHTS
+from .config import ALL_TARGETS, DEFAULT_TARGETS, NOW, TARGET_WEIGHTS
 from .decode_targets import DecodeSignedTarget, DecodeTarget
 from .dht_target import DHTRecordTarget
 from .frame_target import FrameTarget
@@ -76,11 +81,13 @@ from .generators import valid_body
 from .libfuzzer import FuzzFailure, atheris_main
 from .oracle import Oracle
 from .report import FuzzReport, TargetStats
+from .reward_target import RewardTarget
 from .runner import run_fuzz
 from .wire import DHT_KINDS, KINDS, SPEC
 
 __all__ = [
     "ALL_TARGETS",
+    "DEFAULT_TARGETS",
     "DHT_KINDS",
     "KINDS",
     "NOW",
@@ -94,6 +101,7 @@ __all__ = [
     "FuzzFailure",
     "FuzzReport",
     "Oracle",
+    "RewardTarget",
     "TargetStats",
     "add_arguments",
     "atheris_main",

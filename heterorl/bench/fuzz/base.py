@@ -51,6 +51,10 @@ def _call(fn: Callable, *args: Any, allowed: tuple[type[BaseException], ...] = (
 
 class _Target:
     name = ""
+    # This target's own hang limits; None: config.HANG_S / config.ABORT_S (read at run time). A target whose
+    # inputs legitimately take a while (``rewards``: up to the sandbox's limit) judges time in its oracle.
+    hang_s: float | None = None
+    abort_s: float | None = None
 
     def __init__(self, h: _Harness):
         self.h = h
@@ -75,6 +79,10 @@ class _Target:
     def corpus(self) -> list[bytes]:
         """Seed inputs for atheris."""
         return [bytes([i]) * 8 for i in range(4)]
+
+    def details(self) -> dict:
+        """Target-specific counts for the report (``TargetStats.details``)."""
+        return {}
 
     def close(self) -> None:
         pass

@@ -11,7 +11,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from .config import ALL_TARGETS
+from .config import ALL_TARGETS, DEFAULT_TARGETS
 from .libfuzzer import atheris_main
 from .runner import run_fuzz
 
@@ -20,7 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inputs", type=int, default=100_000, help="inputs in all (default 100000)")
     parser.add_argument("--seed", type=int, default=0, help="generator seed: a run is deterministic for it")
     parser.add_argument(
-        "--targets", default=",".join(ALL_TARGETS), help=f"comma-separated subset of: {','.join(ALL_TARGETS)}"
+        "--targets",
+        default=",".join(DEFAULT_TARGETS),
+        help=f"comma-separated subset of: {','.join(ALL_TARGETS)} (default: all but rewards)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the full report as JSON here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -2,7 +2,9 @@
 
 :meth:`_Harness.run_case` times one case under the SIGALRM abort, sorts its outcome into the target's counts
 (accepted / rejected, crash, hang, oracle violation, harness error), keeps a few examples per failure
-signature, and re-times a slow input after a GC before calling it a hang.
+signature, and re-times a slow input after a GC before calling it a hang. The limits are the target's own
+where it sets them (``hang_s``, ``abort_s``); an oracle violation of kind ``hangs`` (a target that judges
+time itself) counts as a hang.
 """
 
 from __future__ import annotations
@@ -121,8 +123,10 @@ class _Harness:
         example = {"index": index, "source": source, "input": _short(blob), "input_len": len(blob), **extra}
         if len(blob) <= 8192:
             example["input_hex"] = blob.hex()
+        hang_s = config.HANG_S if target.hang_s is None else target.hang_s
+        abort_s = config.ABORT_S if target.abort_s is None else target.abort_s
         if self._alarm:
-            signal.setitimer(signal.ITIMER_REAL, config.ABORT_S)
+            signal.setitimer(signal.ITIMER_REAL, abort_s)
         try:
             outcome = target.execute(case)
         except _Crash as c:
@@ -145,7 +149,7 @@ class _Harness:
                 stats,
                 stats.hang_examples,
                 "hang:aborted",
-                {**example, "error": "hang", "detail": str(e) or f"aborted after {config.ABORT_S:g} s"},
+                {**example, "error": "hang", "detail": str(e) or f"aborted after {abort_s:g} s"},
             )
             return "hang"
         except Exception as e:  # a bug in this harness, not in the decoder: reported apart, still a failure
@@ -166,7 +170,7 @@ class _Harness:
             stats.accepted += 1
         else:
             stats.rejected += 1
-        if outcome.seconds > config.HANG_S and self._still_slow(target, case, outcome.seconds):
+        if outcome.seconds > hang_s and self._still_slow(target, case, outcome.seconds, hang_s, abort_s):
             stats.hangs += 1
             failure = "hang"
             self._example(
@@ -180,19 +184,19 @@ class _Harness:
             setattr(stats, kind, getattr(stats, kind) + 1)
             self._example(
                 stats,
-                stats.violation_examples,
+                stats.hang_examples if kind == "hangs" else stats.violation_examples,
                 f"{kind}:{reason}",
                 {**example, "kind": kind, "reason": reason, "detail": detail},
             )
             failure = kind
         return failure
 
-    def _still_slow(self, target: _Target, case: Any, first: float) -> bool:
+    def _still_slow(self, target: _Target, case: Any, first: float, hang_s: float, abort_s: float) -> bool:
         """A slow input is timed once more after a full GC: a pause or a busy machine is not a hang."""
         gc.collect()
         try:
             if self._alarm:
-                signal.setitimer(signal.ITIMER_REAL, config.ABORT_S)
+                signal.setitimer(signal.ITIMER_REAL, abort_s)
             again = target.execute(case).seconds
         except _Hang:
             return True
@@ -201,7 +205,7 @@ class _Harness:
         finally:
             if self._alarm:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-        return again > config.HANG_S
+        return again > hang_s
 
     @staticmethod
     def _time(stats: TargetStats, seconds: float, example: dict) -> None:

@@ -16,7 +16,9 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # frames in 
 
 @dataclasses.dataclass
 class TargetStats:
-    """Counts for one target. ``violations`` = the three oracle-disagreement counts plus over_read."""
+    """Counts for one target. ``violations`` = the three oracle-disagreement counts, over_read, and escaped
+    (something a reward answer tried got out of the sandbox: a file, a connection, a process). ``details``:
+    what the target adds of its own (the ``rewards`` target: counts per scorer)."""
 
     name: str
     inputs: int = 0
@@ -28,6 +30,7 @@ class TargetStats:
     rejected_but_should_not: int = 0
     wrong_result: int = 0
     over_read: int = 0
+    escaped: int = 0
     harness_errors: int = 0
     max_s: float = 0.0
     total_s: float = 0.0
@@ -38,13 +41,18 @@ class TargetStats:
     harness_error_examples: list[dict] = dataclasses.field(default_factory=list)
     slowest: list[dict] = dataclasses.field(default_factory=list)  # the 3 slowest inputs
     digest: str = ""
+    details: dict = dataclasses.field(default_factory=dict)
     _signatures: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
     _hasher: Any = dataclasses.field(default_factory=hashlib.sha256, repr=False)
 
     @property
     def violations(self) -> int:
         return (
-            self.accepted_but_should_not + self.rejected_but_should_not + self.wrong_result + self.over_read
+            self.accepted_but_should_not
+            + self.rejected_but_should_not
+            + self.wrong_result
+            + self.over_read
+            + self.escaped
         )
 
     @property
@@ -104,6 +112,7 @@ class FuzzReport:
             "rej_bad",
             "wrong",
             "overread",
+            "escaped",
             "max_ms",
             "mean_us",
         )
@@ -122,19 +131,22 @@ class FuzzReport:
                     t.rejected_but_should_not,
                     t.wrong_result,
                     t.over_read,
+                    t.escaped,
                     f"{t.max_s * 1e3:.1f}",
                     f"{t.mean_s * 1e6:.0f}",
                 )
             )
-        widths = [max(len(str(r[i])) for r in rows) for i in range(len(cols))]
-        lines = [
-            "  ".join(
-                str(c).rjust(w) if i else str(c).ljust(w)
-                for i, (c, w) in enumerate(zip(r, widths, strict=True))
-            )
-            for r in rows
-        ]
-        lines.insert(1, "-" * len(lines[0]))
+        lines = _columns(rows)
+        for t in self.targets.values():
+            per = t.details.get("scorers")
+            if per:  # one row per scorer, the columns of the first
+                keys = list(next(iter(per.values())))
+                lines += ["", f"{t.name}: per scorer", *_columns([("scorer", *keys)] + [
+                    (name, *(_cell(row.get(k)) for k in keys)) for name, row in per.items()
+                ])]  # fmt: skip
+            for key, value in t.details.items():
+                if key != "scorers" and value:
+                    lines.append(f"{t.name}: {key}: {value}")
         rate = self.inputs / self.wall_s if self.wall_s else 0.0
         lines.append("")
         lines.append(
@@ -161,6 +173,23 @@ class FuzzReport:
                     if ex.get("kwargs"):
                         lines.append(f"      kwargs {ex['kwargs']}")
         return "\n".join(lines)
+
+
+def _columns(rows: list) -> list[str]:
+    """``rows`` (the first the header) as aligned text lines, a rule under the header."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return lines
+
+
+def _cell(v: Any) -> str:
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
 def _short(b: Any, n: int = 120) -> str:

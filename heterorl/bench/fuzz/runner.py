@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .base import _Target
-from .config import ALL_TARGETS, TARGET_WEIGHTS
+from .config import ALL_TARGETS, DEFAULT_TARGETS, TARGET_WEIGHTS
 from .harness import _Harness, _raise_hang
 from .report import FuzzReport, TargetStats
 from .targets import _TARGET_CLASSES
@@ -107,11 +107,12 @@ def _split(inputs: int, targets: Sequence[str]) -> dict[str, int]:
 def run_fuzz(
     inputs: int = 100_000,
     seed: int = 0,
-    targets: Sequence[str] = ALL_TARGETS,
+    targets: Sequence[str] = DEFAULT_TARGETS,
     progress: bool = True,
     hypothesis_share: float = 0.2,
 ) -> FuzzReport:
-    """Fuzz the chosen targets with ``inputs`` inputs in all (split by :data:`TARGET_WEIGHTS`)."""
+    """Fuzz the chosen targets (default: the protocol decoders) with ``inputs`` inputs in all (split by
+    :data:`TARGET_WEIGHTS`)."""
     targets = list(dict.fromkeys(targets))
     unknown = [t for t in targets if t not in _TARGET_CLASSES]
     if unknown or not targets:
@@ -159,7 +160,10 @@ def run_fuzz(
                     i += 1
                     bar.tick()
             finally:
-                target.close()
+                try:
+                    stats.details = target.details()
+                finally:
+                    target.close()
             stats.digest = stats._hasher.hexdigest()
     finally:
         if h._alarm:

@@ -7,6 +7,7 @@ from .chunk_target import ChunkRequestTarget
 from .decode_targets import DecodeSignedTarget, DecodeTarget
 from .dht_target import DHTRecordTarget
 from .frame_target import FrameTarget
+from .reward_target import RewardTarget
 
 _TARGET_CLASSES: dict[str, type[_Target]] = {
     "decode": DecodeTarget,
@@ -14,4 +15,5 @@ _TARGET_CLASSES: dict[str, type[_Target]] = {
     "frame": FrameTarget,
     "dht_record": DHTRecordTarget,
     "chunk_request": ChunkRequestTarget,
+    "rewards": RewardTarget,
 }
