@@ -113,6 +113,11 @@ def run_one_process(
     trainable = [p for p in policy.parameters() if p.requires_grad]
 
     every = run.learner.eval_every
+    if every and cfg.steps < every:  # a run shorter than one evaluation period (a smoke run): no evaluations,
+        log.info(  # which would cost more than the run (200 prompts x 5 generations, at the start and end)
+            "held-out evaluation off: %d updates, fewer than learner.eval_every (%d)", cfg.steps, every
+        )
+        every = 0
     evaluate = None
     if every:
         evaluate = HeldOutEval(
