@@ -92,6 +92,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--show", type=int, default=6, help="sample replies to print per setting")
     ap.add_argument("--json", default=None, help="also write every sample to this file")
+    ap.add_argument(
+        "--datasets",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="with --task reasoning_gym: each of these data sets in turn (its 'dataset' parameter), and a "
+        "table of their accuracies at the end",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -99,14 +107,47 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     from heterorl.peer.model import load_model
     from heterorl.peer.tasks import get_task, named_reward
+    from heterorl.peer.tasks.sandbox import TaskSpec, sandboxed_task
 
     try:
         params = json.loads(args.task_params)  # the user's own: the reward they name is theirs to run
-        task = get_task(args.task, allow_rewards=named_reward(params), **params)
+        variants = [params] if not args.datasets else [{**params, "dataset": d} for d in args.datasets]
+        for v in variants:  # a bad parameter is refused before the model loads
+            get_task(args.task, allow_rewards=named_reward(v), **v)
     except (ValueError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     model, tokenizer = load_model(args.model, dtype=torch.float32)
+    results = []
+    # rewards on the model's text are computed in the reward worker, as in a run (peer/tasks/sandbox.py)
+    for v in variants:
+        task = sandboxed_task(TaskSpec(args.task, v, named_reward(v)))
+        try:
+            results += _one_task(args, model, tokenizer, task, v)
+        finally:
+            task.scorer.close()  # type: ignore[union-attr]
+    if len(variants) > 1:
+        print(
+            f"\n| {args.task} | "
+            + " | ".join(_label(t) for t in args.temperatures)
+            + " | hit max_new_tokens |"
+        )
+        print("|---" * (len(args.temperatures) + 2) + "|")
+        for v in variants:
+            rs = [r for r in results if r["task_params"] == v]
+            cells = " | ".join(f"{r['accuracy']:.3f}" for r in rs)
+            print(f"| {v.get('dataset', v)} | {cells} | {max(r['truncated'] for r in rs):.0%} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _label(temperature: float) -> str:
+    return "greedy" if temperature <= 0 else f"T={temperature:g}"
+
+
+def _one_task(args: argparse.Namespace, model, tokenizer, task, params: dict) -> list[dict]:
     results = []
     for temperature in args.temperatures:
         t0 = time.time()
@@ -120,18 +161,15 @@ def run_from_args(args: argparse.Namespace) -> int:
             seed=args.seed,
             chat=args.chat,
         )
-        label = "greedy" if temperature <= 0 else f"T={temperature:g}"
+        label = _label(temperature)
         print(
-            f"{args.task} {args.task_params} {label}: accuracy {r['accuracy']:.3f} over {r['n']} prompts, "
+            f"{args.task} {json.dumps(params)} {label}: accuracy {r['accuracy']:.3f} over {r['n']} prompts, "
             f"{r['truncated']:.0%} hit max_new_tokens ({time.time() - t0:.0f} s)"
         )
         for s in r["samples"][: args.show]:
             print(f"    {s['prompt']!r} -> {s['reply']!r} (ref {s['reference']}, reward {s['reward']:g})")
-        results.append({"task": args.task, "task_params": json.loads(args.task_params), **r})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
+        results.append({"task": args.task, "task_params": params, **r})
+    return results
 
 
 if __name__ == "__main__":
