@@ -91,3 +91,12 @@ def test_final_stats_hold_the_session_and_the_trust_record():
     assert final["rows_disagreeing"] == 2 and final["trained_rows"] == {(b"a" * 32).hex(): 2}
     assert final["bans"] == {} and final["trust/held"] == 4
     json.dumps(final)
+
+
+def test_the_reward_workers_counts_reach_the_heartbeat_when_not_zero_and_the_final_stats():
+    st = make()
+    st.rewards = lambda: {"answers": 40, "timeouts": 2, "crashes": 0, "blocked": 1}
+    hb = st.heartbeat()
+    assert hb["reward_timeouts"] == 2 and hb["reward_blocked"] == 1
+    assert "reward_crashes" not in hb and "reward_answers" not in hb  # zeros and plain counts stay out
+    assert st.final()["rewards"]["answers"] == 40

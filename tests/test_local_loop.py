@@ -40,6 +40,8 @@ def test_run_local_writes_outputs_and_tracks_staleness(tiny_model_dir, tmp_path)
     for key in ("objective", "delay", "steps", "reward_curve"):
         assert key in summary
     assert len(summary["reward_curve"]) == 5
+    assert summary["eval_curve"] == []  # 5 updates, fewer than learner.eval_every: no evaluation
+    assert summary["rewards"]["answers"] == 5 * 16 and summary["rewards"]["crashes"] == 0  # the reward worker
     assert json.loads((tmp_path / "summary.json").read_text())["delay"] == 2
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["staleness"] for r in rows] == [0, 1, 2, 2, 2]

@@ -231,3 +231,25 @@ def test_a_worker_restarted_from_a_thread_that_ends_outlives_the_thread():
         assert s["crashes"] == 1 and s["restarts"] == 1, s  # the worker the ended thread started is alive
     finally:
         box.close()
+
+
+def test_a_worker_that_cannot_be_started_again_scores_zero_and_never_raises(tmp_path, monkeypatch):
+    broken = tmp_path / "broken"
+    (tmp_path / "fragile_reward.py").write_text(
+        f"import os\nif os.path.exists({str(broken)!r}):\n    raise ImportError('broken on purpose')\n"
+        "def score(prompt, completion, reference):\n"
+        "    if completion == 'exit':\n        os._exit(3)\n    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = TaskSpec("arithmetic", {"digits": 1, "reward": "fragile_reward:score"}, ("fragile_reward:score",))
+    task = sandboxed_task(spec, SandboxLimits(time_s=LIMIT_S))
+    try:
+        assert task.reward("q", "fine", "") == 1.0
+        broken.touch()
+        assert task.reward("q", "exit", "") == 0.0  # the worker dies
+        assert task.reward("q", "fine", "") == 0.0  # and cannot be built again: 0, not an exception
+        assert task.scorer.incident == "crash" and task.scorer.stats()["crashes"] == 2
+        broken.unlink()
+        assert task.reward("q", "fine", "") == 1.0  # the next call tries again
+    finally:
+        task.scorer.close()
