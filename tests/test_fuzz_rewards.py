@@ -52,13 +52,12 @@ def test_a_short_run_finds_nothing(run):
 
 
 def test_the_short_run_sent_bombs_code_and_oversize_text_and_they_cost_one_limit_each(run):
-    _, report, wall = run
+    _, report, _ = run
     totals = report["targets"]["rewards"]["details"]["totals"]
     assert totals["timeouts"] > 0, totals  # bombs ran into the limit
     assert totals["blocked"] > 0, totals  # code reached the audit hook and was refused
     assert totals["errors"] > 0 and totals["oversize"] > 0, totals
     assert totals["max_s"] <= LIMIT_S + SLACK_S
-    assert wall < 120
 
 
 def test_every_built_in_reward_and_task_scorer_is_fuzzed(run):
@@ -72,7 +71,7 @@ def test_every_built_in_reward_and_task_scorer_is_fuzzed(run):
         name = reward if reward in known else f"reward:{reward}"
         assert name in fuzzed or (reward == "math_verify" and name in skipped), (name, skipped)
     if "reasoning_gym" in task_names() and importlib.util.find_spec("reasoning_gym"):
-        assert {f"rg:{ds}" for ds in RG_DATASETS} <= fuzzed, skipped
+        assert {f"rg:{ds}" for ds in RG_DATASETS} | {"rg:chain_sum/last_number"} <= fuzzed, skipped
     assert set(scorers) | set(skipped) == {s.name for s in scorer_specs()}
 
 

@@ -114,6 +114,24 @@ def test_the_data_sets_own_scorer_pays_the_right_answer_only(dataset):
         assert task.reward(ex.prompt, ex.solution, ref) == 0.0, ref
 
 
+def test_extract_last_number_scores_an_untagged_reply_on_its_last_number():
+    task = get_task("reasoning_gym", dataset="chain_sum", size=300, extract="last_number")
+    tags_only = get_task("reasoning_gym", dataset="chain_sum", size=300)
+    ex = task.draw(random.Random(8))
+    answer = _answer(task, ex.reference)
+    wrong = str(int(answer) + 1)
+    for reply, paid in [
+        (f"The answer is {answer}.", 1.0),
+        (f"{ex.prompt[-12:]} {answer}", 1.0),
+        (f"It is {answer}, no wait, {wrong}", 0.0),  # the last number is the answer
+        (f"<answer>{wrong}</answer> so {answer}", 0.0),  # tags win where there are some
+        (f"<answer>{answer}</answer> not {wrong}", 1.0),
+        ("no number here", 0.0),
+    ]:
+        assert task.reward(ex.prompt, reply, ex.reference) == paid, reply
+    assert tags_only.reward(ex.prompt, f"The answer is {answer}.", ex.reference) == 0.0
+
+
 def test_a_mixture_draws_each_data_set_at_its_weight(mixture):
     rng = random.Random(4)
     drawn = collections.Counter(
@@ -166,6 +184,20 @@ def test_a_small_task_is_listed_whole_and_holds_nothing_out():
     assert [ex.reference for ex in listed] == [str(i) for i in range(40)]
 
 
+def test_a_small_prompt_space_in_many_entries_is_evaluated_whole_each_prompt_once():
+    easiest = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    task = get_task("reasoning_gym", dataset="chain_sum", config=easiest, size=2000)
+    listed = task.all_examples()
+    assert listed is not None and len({ex.prompt for ex in listed}) == len(listed) == 200  # 10 x 10 x (+, -)
+    assert task.held_out() == listed and not any(task.is_held_out(ex.prompt) for ex in listed)
+    assert all(task.reference_for(ex.prompt) == ex.reference for ex in listed)  # each prompt's first entry
+    rng = random.Random(9)
+    drawn = [task.sample(rng) for _ in range(50)]
+    assert all(task.reward(ex.prompt, ex.solution, ex.reference) == 1.0 for ex in drawn)
+    large = get_task("reasoning_gym", dataset="leg_counting", size=2000)
+    assert large.all_examples() is None  # a large space
+
+
 def test_the_alphabet_holds_every_character_of_the_prompts_and_solutions(arithmetic):
     alphabet = arithmetic.alphabet()
     assert alphabet == "".join(sorted(set(alphabet)))
@@ -206,6 +238,10 @@ def test_the_alphabet_holds_every_character_of_the_prompts_and_solutions(arithme
         ({"dataset": "leg_counting", "instructions": "shout"}, "instructions must be one of"),
         ({"dataset": "leg_counting", "version": 25}, "version must be a non-empty string"),
         ({"dataset": "leg_counting", "colour": "red"}, "unknown parameter.*colour"),
+        ({"dataset": "leg_counting", "extract": "first_word"}, "extract must be one of"),
+        ({"dataset": "leg_counting", "extract": "last_number", "reward": "gsm8k"}, "extract is for the data"),
+        # a config the generator accepts but cannot draw from is refused when the task is built
+        ({"dataset": "simple_equations", "config": {"operators": ["+"]}}, "refused dataset 'simple_equat"),
     ],
 )
 def test_bad_parameters_are_refused_by_name(params, match):

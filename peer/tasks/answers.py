@@ -13,6 +13,7 @@ _HASHES_RE = re.compile(r"####[ \t]*([^\n]*)")
 _NUMBER_RE = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
 _DECIMAL_RE = re.compile(r"([+-]?)(\d*)(?:\.(\d*))?")
 _BOXED = "\\boxed{"
+MAX_SCAN = 4096  # characters from the end that last_number reads: a final answer is at the end
 
 
 def normalize_answer(text: str) -> str:
@@ -59,6 +60,12 @@ def extract_answer(text: str) -> str | None:
     if boxed is not None and boxed.strip():
         return normalize_answer(boxed)
     numbers = _NUMBER_RE.findall(text)
+    return normalize_answer(numbers[-1]) if numbers else None
+
+
+def last_number(text: str) -> str | None:
+    """The last number in ``text``, normalised (``"so 1,000."`` -> ``"1000"``), or None if it has none."""
+    numbers = _NUMBER_RE.findall(text[-MAX_SCAN:])
     return normalize_answer(numbers[-1]) if numbers else None
 
 

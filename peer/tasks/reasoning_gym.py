@@ -6,9 +6,11 @@ reasoning-gym generates entry ``i`` of a data set from a random generator seeded
 ``size`` entries: a prompt is the chosen instruction (one of ``reasoning_gym.utils.SYSTEM_PROMPTS``, which ask
 for the answer between ``<answer>`` tags), a blank line and the entry's question; the reference is the entry's
 index, as text. The default reward extracts the answer with ``reasoning_gym.utils.extract_answer`` and scores
-it with the data set's own ``score_answer`` (clamped to [0, 1]); another reward gets the entry's answer as its
-reference. A learner recovers the index from a prompt with a map of every entry's prompt, built once, on first
-use (one entry generated per index: :data:`DEFAULT_SIZE` explains the cost).
+it with the data set's own ``score_answer`` (clamped to [0, 1]); with ``extract = "last_number"`` a reply
+without the tags is scored on its last number instead (small models answer "5 + 3 = 8" and ignore the tags:
+SmolLM2-135M's replies carry them 2 times in 512, see docs/operations.md). Another reward gets the entry's
+answer as its reference. A learner recovers the index from a prompt with a map of every entry's prompt, built
+once, on first use (one entry generated per index: :data:`DEFAULT_SIZE` explains the cost).
 
 A run pins the library's version (``version``, the installed distribution's: ``heterorl coordinator`` writes
 it into the RunSpec), since another version may generate other entries. Data sets whose entries differ from
@@ -28,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._params import check_int, check_str
+from .answers import last_number
 from .base import ENUMERATE_MAX, HELD_OUT_MAX, Example, RewardFn, Task, in_held_out_split
 
 TASK = "reasoning_gym"
@@ -40,6 +43,9 @@ DEFAULT_SIZE = 10_000
 MAX_SIZE = 100_000
 MAX_SEED = 2**31 - 1
 DEFAULT_INSTRUCTIONS = "direct"
+# How the default reward finds a reply's answer: between its last <answer> tags only, or, failing those, its
+# last number (for numeric data sets and models too small to follow the tag format).
+EXTRACTS = ("tags", "last_number")
 MIXTURE_KEYS = ("name", "weight", "config")
 # Task parameters set for the data set by the task itself, not in its config.
 _OWN_CONFIG = ("seed", "size")
@@ -114,7 +120,8 @@ class ReasoningGymTask(Task):
 
     ``seed``, ``size``: which entries (0 to size - 1); ``instructions``: a key of
     ``reasoning_gym.utils.SYSTEM_PROMPTS``; ``version``: the reasoning-gym version the run pins (None: the
-    installed one); ``reward``: None for the data set's own scorer. ValueError naming the bad parameter.
+    installed one); ``extract``: one of :data:`EXTRACTS`, how the data set's scorer finds the answer;
+    ``reward``: None for the data set's own scorer. ValueError naming the bad parameter.
     """
 
     name = TASK
@@ -128,6 +135,7 @@ class ReasoningGymTask(Task):
         size: int = DEFAULT_SIZE,
         instructions: str = DEFAULT_INSTRUCTIONS,
         version: str | None = None,
+        extract: str = "tags",
         reward: RewardFn | None = None,
     ) -> None:
         if reward is not None and not callable(reward):
@@ -136,6 +144,11 @@ class ReasoningGymTask(Task):
         self.seed = check_int(TASK, "seed", seed, 0, MAX_SEED)
         self.size = check_int(TASK, "size", size, 1, MAX_SIZE)
         check_str(TASK, "instructions", instructions)
+        if extract not in EXTRACTS:
+            raise ValueError(f"{TASK}: extract must be one of {', '.join(EXTRACTS)}, got {extract!r:.80}")
+        if extract != "tags" and reward is not None:
+            raise ValueError(f"{TASK}: extract is for the data set's own scorer, not for another reward")
+        self.extract = extract
         if version is not None:
             check_str(TASK, "version", version)
         problem = version_problem(version)
@@ -176,10 +189,13 @@ class ReasoningGymTask(Task):
         try:
             if not self.mixture:
                 (src,) = self.sources
-                return rg.create_dataset(src.name, **src.config, seed=self.seed, size=self.size)
-            specs = [rg.composite.DatasetSpec(s.name, s.weight, dict(s.config)) for s in self.sources]
-            return rg.create_dataset("composite", seed=self.seed, size=self.size, datasets=specs)
-        except (AssertionError, TypeError, ValueError, KeyError) as e:
+                dataset = rg.create_dataset(src.name, **src.config, seed=self.seed, size=self.size)
+            else:
+                specs = [rg.composite.DatasetSpec(s.name, s.weight, dict(s.config)) for s in self.sources]
+                dataset = rg.create_dataset("composite", seed=self.seed, size=self.size, datasets=specs)
+            dataset[0]  # a config the generator cannot draw from fails here, not at a run's first prompt
+            return dataset
+        except (AssertionError, TypeError, ValueError, KeyError, IndexError) as e:
             which = "datasets" if self.mixture else f"dataset {self.sources[0].name!r}"
             raise ValueError(f"{TASK}: reasoning-gym refused {which}: {type(e).__name__}: {e}") from e
 
@@ -233,11 +249,26 @@ class ReasoningGymTask(Task):
         return self._example(rng.randrange(self.size))
 
     def all_examples(self) -> list[Example] | None:
-        if self.size > ENUMERATE_MAX:
-            return None
+        """Every entry where ``size`` is at most ENUMERATE_MAX; else, where the entries hold at most
+        ENUMERATE_MAX distinct prompts (two one-digit terms: 200), each distinct prompt once (its first
+        entry), so that a small prompt space is evaluated whole, as the built-in tasks' are; else None.
+        Deciding costs up to ``size`` entries once (a large space stops after ENUMERATE_MAX + 1 distinct
+        prompts), the same on every peer."""
         if self._listed is None:
-            self._listed = [self._example(i) for i in range(self.size)]
-        return self._listed
+            if self.size <= ENUMERATE_MAX:
+                self._listed = [self._example(i) for i in range(self.size)]
+            else:
+                self._listed = self._distinct_if_few() or []
+        return self._listed or None
+
+    def _distinct_if_few(self) -> list[Example] | None:
+        distinct: dict[str, Example] = {}
+        for i in range(self.size):
+            ex = self._example(i, self._generate(i))
+            distinct.setdefault(ex.prompt, ex)
+            if len(distinct) > ENUMERATE_MAX:
+                return None
+        return list(distinct.values())
 
     def held_out(self) -> list[Example]:
         """The held-out split's entries, in index order (up to HELD_OUT_MAX); a small task's every entry."""
@@ -260,14 +291,17 @@ class ReasoningGymTask(Task):
 
     def score(self, prompt: str, completion: str, reference: str) -> float:
         """The default reward: the data set's ``score_answer`` of the answer between the completion's last
-        ``<answer>`` tags, in [0, 1]; 0.0 without such an answer, for a reference that is not this prompt's
-        entry, and where the scorer fails on the answer."""
+        ``<answer>`` tags (``extract = "last_number"``: else of its last number), in [0, 1]; 0.0 without such
+        an answer, for a reference that is not this prompt's entry, and where the scorer fails on the
+        answer."""
         entry = self.entry_for(reference, prompt)
         if entry is None:
             return 0.0
         from reasoning_gym.utils import extract_answer
 
         answer = extract_answer(completion)
+        if answer is None and self.extract == "last_number":
+            answer = last_number(completion)
         if answer is None:
             return 0.0
         try:

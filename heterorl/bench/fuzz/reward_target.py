@@ -203,6 +203,18 @@ def scorer_specs() -> list[ScorerSpec]:
                     alternatives=(TaskSpec("reasoning_gym", {"dataset": ds}),),
                 )
             )
+        # the untagged path: a reply's last number, read by a regex over its end (extract = "last_number")
+        out.append(
+            ScorerSpec(
+                "rg:chain_sum/last_number",
+                TaskSpec(
+                    "reasoning_gym", {"dataset": "chain_sum", "size": RG_SIZE, "extract": "last_number"}
+                ),
+                kind="text",
+                costly=True,
+                optional=True,
+            )
+        )
     for t in tasks:
         if t not in ("arithmetic", "countdown", "jsonl", "reasoning_gym"):
             out.append(ScorerSpec(f"task:{t}", TaskSpec(t, {}), optional=True))
