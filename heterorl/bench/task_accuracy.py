@@ -17,6 +17,36 @@ import sys
 import time
 from typing import Any
 
+# Each reasoning-gym data set's easiest setting (``--easiest``): the fewest and smallest terms, one operator,
+# the shortest words; a 135M model has signal here or nowhere.
+EASIEST: dict[str, dict[str, Any]] = {
+    "basic_arithmetic": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 1,
+        "operators": ["+"],
+        "allow_parentheses": False,
+        "allow_negation": False,
+    },
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    "products": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    "simple_equations": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_value": 1,
+        "max_value": 9,
+        "operators": ["+"],
+        "operators_weights": [1.0],
+    },
+    "gcd": {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 20},
+    "lcm": {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 10},
+    "count_bits": {"min_n": 1, "max_n": 15},
+    "leg_counting": {"min_animals": 1, "max_animals": 1, "min_instances": 1, "max_instances": 1},
+    "letter_counting": {"min_words": 1, "max_words": 1},
+    "spell_backward": {"min_word_len": 3, "max_word_len": 3},
+}
+
 
 def task_accuracy(
     model,
@@ -100,6 +130,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="with --task reasoning_gym: each of these data sets in turn (its 'dataset' parameter), and a "
         "table of their accuracies at the end",
     )
+    ap.add_argument(
+        "--easiest",
+        action="store_true",
+        help="with --datasets: each data set at its easiest setting (its 'config'; known for "
+        + ", ".join(EASIEST)
+        + ")",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -112,6 +149,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:
         params = json.loads(args.task_params)  # the user's own: the reward they name is theirs to run
         variants = [params] if not args.datasets else [{**params, "dataset": d} for d in args.datasets]
+        if args.easiest:
+            unknown = [v.get("dataset") for v in variants if v.get("dataset") not in EASIEST]
+            if unknown:
+                raise ValueError(f"--easiest: no easiest setting known for {unknown}; known: {list(EASIEST)}")
+            variants = [{**v, "config": EASIEST[v["dataset"]]} for v in variants]
         for v in variants:  # a bad parameter is refused before the model loads
             get_task(args.task, allow_rewards=named_reward(v), **v)
     except (ValueError, json.JSONDecodeError) as e:
@@ -137,6 +179,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             rs = [r for r in results if r["task_params"] == v]
             cells = " | ".join(f"{r['accuracy']:.3f}" for r in rs)
             print(f"| {v.get('dataset', v)} | {cells} | {max(r['truncated'] for r in rs):.0%} |")
+        if args.easiest:
+            print("\neasiest settings: " + json.dumps({v["dataset"]: v["config"] for v in variants}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
