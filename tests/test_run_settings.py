@@ -229,6 +229,28 @@ def test_local_real_preset_is_data_under_the_flags():
     assert _local("--real", "--set", "objective.lr=1e-5").objective.lr == 1e-5
 
 
+def test_local_run_config_is_read_under_the_flags_and_over_the_real_preset(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        'run_id = "theirs"\nlearner_keys = ["' + KEY + '"]\n[task]\nname = "reasoning_gym"\n'
+        '[task.params]\ndatasets = [{name = "chain_sum", weight = 2}, {name = "leg_counting"}]\n'
+        "[learner]\ngroup_size = 3\n"
+    )
+    run = _local("--run-config", str(toml))
+    assert run.task.name == "reasoning_gym"
+    assert run.task.params["datasets"][0] == {"name": "chain_sum", "weight": 2}
+    assert run.learner.group_size == 3 and run.learner.prompts_per_update == Run().learner.prompts_per_update
+    assert _local("--run-config", str(toml), "--group-size", "5").learner.group_size == 5  # a flag wins
+    real = _local("--real", "--run-config", str(toml))
+    assert real.learner.group_size == 3 and real.task.name == "reasoning_gym"  # the file over the preset
+    assert real.model.path == local_options.REAL_MODEL_DIR and "digits" not in real.task.params
+    toml.write_text("[learner]\ngroup_sise = 3\n")
+    with pytest.raises(ValueError, match="group_sise"):
+        _local("--run-config", str(toml))
+    with pytest.raises(ValueError, match="cannot read"):
+        _local("--run-config", str(tmp_path / "none.toml"))
+
+
 def test_coordinator_set_overrides_run_toml(tmp_path):
     from heterorl.coordinator.daemon import add_arguments
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import tomllib
 from pathlib import Path
 
 from heterorl.protocol.settings import (
@@ -71,6 +72,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "and run a short swarm with a vLLM sampler on the chat-format arithmetic task (flags you give "
         "still win)",
     )
+    ap.add_argument(
+        "--run-config",
+        default=None,
+        metavar="RUN_TOML",
+        help="start from this run.toml's settings (a reasoning-gym mixture in [task], say); its run_id and "
+        "learner_keys are replaced by the local run's own, and the flags below win over it",
+    )
     add_flag(ap, Run, "model.path")  # --model
     add_flag(ap, Run, "objective.name", choices=list(OBJECTIVES))  # --objective
     add_flag(ap, Run, "task.name")  # --task
@@ -129,7 +137,26 @@ def run_of(args: argparse.Namespace) -> Run:
     """The run the command line asks for: the ``--real`` settings if asked, then the setting flags and
     ``--set``; ValueError naming a bad setting."""
     data = apply_overrides({}, REAL_SETTINGS) if args.real else {}
+    if getattr(args, "run_config", None):
+        for section, table in _run_toml_sections(args.run_config).items():
+            if isinstance(table, dict) and isinstance(data.get(section), dict):
+                data[section] = {**data[section], **table}
+            else:
+                data[section] = table
     return from_overrides(Run, overrides_of(args), data)
+
+
+def _run_toml_sections(path: str) -> dict:
+    """The settings of run.toml at ``path`` (its identity left out: the local run has its own keys)."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"--run-config: cannot read {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--run-config: {path} is not valid TOML: {e}") from None
+    for identity in ("run_id", "learner_keys"):
+        data.pop(identity, None)
+    return data
 
 
 def local_model(run: Run) -> str:

@@ -32,7 +32,7 @@ def build_tokenizer(alphabet: str = ALPHABET):
     for ch in chars:
         vocab.setdefault(ch, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIALS["unk"]))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # newlines too
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -107,6 +107,21 @@ def pretrain(
     return losses
 
 
+SHORT = 64  # the context of a model for short prompts (the built-in tasks')
+
+
+def fit_to_task(task: Task, seed: int = 0, probe: int = 256) -> tuple[str, int]:
+    """The characters and context a tiny model for ``task`` needs: :data:`ALPHABET` plus any other
+    character of the task's prompts and solutions (a reasoning-gym question's newlines, say), and
+    :data:`SHORT` positions, or a power of two with room for 64 new tokens after the longest of ``probe``
+    drawn prompts and solutions."""
+    extra = set(task.alphabet()) - set(ALPHABET)
+    rng = random.Random(seed)
+    longest = max(len(ex.prompt) + len(ex.solution) for ex in (task.sample(rng) for _ in range(probe)))
+    max_len = SHORT if longest + 16 <= SHORT else 1 << (longest + 64 - 1).bit_length()
+    return ALPHABET + "".join(sorted(extra)), max_len
+
+
 DEFAULT_TASK = "arithmetic"
 DEFAULT_TASK_PARAMS = {"digits": 1}  # one-digit sums: the tiny model reaches ~30-40% before RL
 DEFAULT_PRETRAIN_STEPS = 120
@@ -125,11 +140,12 @@ def build_tiny_model(
     """Build, pre-train briefly and save a tiny causal LM + tokenizer to ``out``; returns the path."""
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    tokenizer = build_tokenizer()
-    model = LlamaForCausalLM(build_config(len(tokenizer), hidden=hidden, layers=layers))
     params = DEFAULT_TASK_PARAMS if task_params is None else task_params  # the caller's own
     task_obj = get_task(task, allow_rewards=named_reward(params), **params)
+    alphabet, max_len = fit_to_task(task_obj, seed)
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer(alphabet)
+    model = LlamaForCausalLM(build_config(len(tokenizer), hidden=hidden, layers=layers, max_len=max_len))
     losses = pretrain(model, tokenizer, task_obj, steps=steps, seed=seed, progress=progress)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
