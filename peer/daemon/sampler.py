@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import random
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,9 @@ from .heartbeat import Status
 from .runtime import PeerRuntime
 from .stop_rule import Limits, SamplerView, StopRule, lag
 
+if TYPE_CHECKING:
+    from ..tasks import Task
+
 log = logging.getLogger(__name__)
 
 
@@ -56,6 +60,20 @@ class SamplerOptions:
 
 
 MAX_PROMPT_TOKENS = 1024  # the engine's context: prompt + max_new_tokens, within the model's own limit
+
+
+def score_rows(
+    task: Task, prompts: list[str], texts: list[str], references: list[str], per: int
+) -> tuple[list[float], set[int]]:
+    """Each row's reward (in the task's reward worker), and the batches (``per`` rows each, in order)
+    holding a row whose reward the worker could not compute: a timeout or a crash scores 0 here and may
+    not on the learner, so such a batch is not sent."""
+    rewards, unscored = [], set()
+    for i, (prompt, text, reference) in enumerate(zip(prompts, texts, references, strict=True)):
+        rewards.append(float(task.reward(prompt, text, reference)))
+        if getattr(task.scorer, "incident", None) is not None:
+            unscored.add(i // per)
+    return rewards, unscored
 
 
 class Sampler:
@@ -260,23 +278,23 @@ class Sampler:
             for b in range(n)
             for r in range(per)
         ]
-        rows, i, unscored = [], 0, set()
-        for roll in self._generate([encoded[p] for p in prompts], seeds):
-            for j in range(len(roll.texts)):
-                length = int(roll.lengths[j])
-                reward = self.task.reward(prompts[i], roll.texts[j], examples[i // g].reference)
-                if getattr(self.task.scorer, "incident", None) is not None:
-                    unscored.add(i // per)
-                rows.append(
-                    {
-                        "group": (i // g) % k,  # each batch numbers its own groups
-                        "prompt_ids": list(roll.prompt_ids[j]),
-                        "completion_ids": roll.completion_ids[j, :length].tolist(),
-                        "logprobs": [min(0.0, x) for x in roll.logprobs[j, :length].tolist()],
-                        "reward": float(reward),
-                    }
-                )
-                i += 1
+        rolls = self._generate([encoded[p] for p in prompts], seeds)
+        rolled = [(roll, j) for roll in rolls for j in range(len(roll.texts))]
+        references = [examples[i // g].reference for i in range(len(prompts))]
+        texts = [roll.texts[j] for roll, j in rolled]
+        rewards, unscored = score_rows(self.task, prompts, texts, references, per)
+        rows = []
+        for i, (roll, j) in enumerate(rolled):
+            length = int(roll.lengths[j])
+            rows.append(
+                {
+                    "group": (i // g) % k,  # each batch numbers its own groups
+                    "prompt_ids": list(roll.prompt_ids[j]),
+                    "completion_ids": roll.completion_ids[j, :length].tolist(),
+                    "logprobs": [min(0.0, x) for x in roll.logprobs[j, :length].tolist()],
+                    "reward": rewards[i],
+                }
+            )
         if unscored:  # a reward the worker could not compute is 0 here and maybe not on the learner
             log.warning(
                 "%d batch(es) not sent: a reward could not be computed (see the reward log)", len(unscored)
