@@ -554,7 +554,7 @@ def test_dockerfile_pins_torch_and_installs_the_project(name):
     runs = [args for word, args in ins if word == "RUN"]
     torch_runs = [i for i, r in enumerate(runs) if re.search(r"pip install [^&]*torch==2\.13\.0(\s|$)", r)]
     assert torch_runs, "torch==2.13.0 is not installed pinned"
-    project = ".[vllm]" if name.endswith("cuda") else "."
+    project = ".[vllm,tasks]" if name.endswith("cuda") else ".[tasks]"  # a peer can join a reasoning-gym run
     project_runs = [
         i
         for i, r in enumerate(runs)
