@@ -266,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
             "honest engines and dtypes (hf, vLLM; float32, bfloat16) against the spot checks' thresholds",
         ),
         (
+            "exchange",
+            "exchange",
+            "learner peers' compressed contribution on real RL gradients (tiny, SmolLM2): bytes vs dense "
+            "float32, codec time",
+        ),
+        (
             "weights",
             "weights",
             "sparse bf16 checkpoint deltas on real RL updates (tiny, SmolLM2): bytes, ratio, exactness",
