@@ -225,6 +225,7 @@ def _help(command: str) -> str:
 def test_local_real_preset_is_data_under_the_flags():
     real = _local("--real")
     assert real.model.path == local_options.REAL_MODEL_DIR and real.learner.checkpoint_dtype == "bfloat16"
+    assert (real.trust.check_share, real.trust.probation_check_share) == (0.5, 0.4)  # SmolLM2's checks on CPU
     assert _local("--real", "--group-size", "2").learner.group_size == 2  # a flag given wins
     assert _local("--real", "--set", "objective.lr=1e-5").objective.lr == 1e-5
 

@@ -121,6 +121,11 @@ REAL_SETTINGS = {
     "objective.lr": 5e-6,
     "learner.micro_batch_tokens": 2048,
     "learner.checkpoint_dtype": "bfloat16",  # what samplers run; versions then travel as sparse bf16 deltas
+    # A SmolLM2 spot check on 2 CPU cores takes seconds, and a new sampler's batches are all checked: at the
+    # default 5 % of the learner's time, each of its first batches would wait minutes. The samplers here are
+    # this machine's own, so the checks may take half the learner's time.
+    "trust.check_share": 0.5,
+    "trust.probation_check_share": 0.4,
 }
 
 
