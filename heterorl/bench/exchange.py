@@ -124,8 +124,6 @@ def format_table(results: dict) -> str:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    from heterorl.protocol.wire.sparse_gradient import DEFAULT_K
-
     ap.description = __doc__
     ap.formatter_class = argparse.RawDescriptionHelpFormatter
     ap.add_argument(
@@ -135,7 +133,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--updates", type=int, default=None, help="RL updates per model (default: tiny 8, SmolLM2 3)"
     )
     ap.add_argument(
-        "--k", type=int, default=DEFAULT_K, help="values sent per 4 096-value chunk (default %(default)s)"
+        "--k", type=int, default=None, help="values sent per 4 096-value chunk (default: the codec's, 32)"
     )
     ap.add_argument("--model-dir", default=None, help="use this model directory (with one --models entry)")
     ap.add_argument("--cache", default="runs/models", help="where the tiny model is built")
@@ -147,8 +145,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     import torch
 
-    from heterorl.protocol.wire.sparse_gradient import check_k
+    from heterorl.protocol.wire.sparse_gradient import DEFAULT_K, check_k
 
+    args.k = DEFAULT_K if args.k is None else args.k
     try:
         check_k(args.k)
     except ValueError as e:

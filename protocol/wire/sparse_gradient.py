@@ -18,8 +18,9 @@ with 12-bit indices; this sends the top 32 of 4 096 by default: 64 bytes a chunk
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from heterorl.protocol.wire.errors import ProtocolError
 
@@ -27,6 +28,9 @@ CHUNK = 4096  # values per chunk: a 12-bit index addresses any of them
 INDEX_BITS = 12
 DEFAULT_K = 32  # values sent per chunk
 MAX_K = 256
+
+if TYPE_CHECKING:
+    import torch
 
 
 def flat_size(schema) -> int:
@@ -109,6 +113,8 @@ def decode_frame(data: bytes, numel: int, k: int = DEFAULT_K, chunk: int = CHUNK
 def dense_of(indices, codes, scales, numel: int, chunk: int = CHUNK) -> torch.Tensor:
     """Scatter the sent values (sign × lo or hi) into a zero vector of ``numel`` (deterministic: every
     position is written at most once)."""
+    import torch  # here, not at import: `heterorl --help` reads this module's constants
+
     c = len(indices)
     idx = torch.as_tensor(np.asarray(indices), dtype=torch.int64)
     code = torch.as_tensor(np.asarray(codes, dtype=np.int64))
