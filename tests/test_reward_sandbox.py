@@ -255,16 +255,13 @@ def test_a_worker_that_cannot_be_started_again_scores_zero_and_never_raises(tmp_
         task.scorer.close()
 
 
-def test_a_sampler_does_not_send_a_batch_holding_a_reward_the_worker_could_not_compute():
+def test_a_sampler_does_not_send_a_batch_holding_a_reward_the_worker_could_not_compute(evaluating):
     from heterorl.peer.daemon.sampler import score_rows
 
-    task, box = _hostile("sleeps")
-    try:
-        texts = ["0", "0", "0", "30", "0", "0"]  # batches of 2 rows: the second holds a hang
-        rewards, unscored = score_rows(task, ["q"] * 6, texts, ["r"] * 6, per=2)
-        assert rewards == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0] and unscored == {1}
-        assert box.stats()["timeouts"] == 1
-        rewards, unscored = score_rows(task, ["q"] * 4, ["0"] * 4, ["r"] * 4, per=2)  # a fresh worker
-        assert rewards == [1.0] * 4 and unscored == set()
-    finally:
-        box.close()
+    task, box = evaluating
+    texts = ["1+1", "1+1", "1+1", "9**9**9**9", "1+1", "3"]  # batches of 2 rows: the second holds a bomb
+    rewards, unscored = score_rows(task, ["q"] * 6, texts, ["2"] * 6, per=2)
+    assert rewards == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0] and unscored == {1}
+    assert box.stats()["timeouts"] == 1
+    rewards, unscored = score_rows(task, ["q"] * 4, ["1+1"] * 4, ["2"] * 4, per=2)  # a fresh worker
+    assert rewards == [1.0] * 4 and unscored == set()
