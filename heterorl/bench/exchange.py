@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from .weights import DEFAULTS, model_dir
+from .weights import DEFAULTS, model_dir, rl_updates
 
 UPDATES = {"tiny": 8, "smollm2-135m": 3}
 
@@ -37,11 +36,8 @@ def _say(msg: str) -> None:
 def gradients_of(name: str, path: str, updates: int, seed: int) -> tuple[list, object]:
     """The clipped gradient of each of ``updates`` RL updates of model ``name`` (float32 CPU copies by
     parameter name), and the (name, shape) schema of its trainable parameters."""
-    from heterorl.peer.train.one_process import OneProcessConfig, run_one_process
-    from heterorl.protocol.settings import Run, from_overrides
     from heterorl.protocol.wire.gradients import parameter_schema
 
-    p = DEFAULTS[name]
     grads: list = []
     schema: list = []
 
@@ -53,18 +49,7 @@ def gradients_of(name: str, path: str, updates: int, seed: int) -> tuple[list, o
         named = policy.named_parameters()
         grads.append({n: q.grad.detach().to("cpu").clone() for n, q in named if q.grad is not None})
 
-    run = {
-        "model.path": path,
-        "model.chat": p.chat,
-        "task.params": p.task_params,
-        "objective.lr": p.runs[0][0],
-        "learner.prompts_per_update": p.prompts,
-        "learner.group_size": p.group,
-        "sampling.max_new_tokens": p.new_tokens,
-    }
-    cfg = OneProcessConfig(from_overrides(Run, run), steps=updates, seed=seed)
-    with tempfile.TemporaryDirectory(prefix="heterorl-bench-exchange-") as tmp:
-        run_one_process(cfg, tmp, progress=False, on_update=capture, save_checkpoint=False)
+    rl_updates(name, path, DEFAULTS[name].runs[0][0], updates, seed, capture)
     return grads, tuple(schema)
 
 

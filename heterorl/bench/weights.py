@@ -165,28 +165,35 @@ class VersionMeter:
         }
 
 
-def bench_model(name: str, path: str, runs: list[tuple[float, int]], seed: int) -> dict:
+def rl_updates(name: str, path: str, lr: float, updates: int, seed: int, on_update) -> None:
+    """``updates`` RL updates of model ``name`` (its :data:`DEFAULTS` preset) at ``lr`` in the one-process
+    loop of ``heterorl train --local``, ``on_update(step, policy, stats)`` called as that loop calls it."""
     from heterorl.peer.train.one_process import OneProcessConfig, run_one_process
     from heterorl.protocol.settings import Run, from_overrides
 
+    p = DEFAULTS[name]
+    run = {
+        "model.path": path,
+        "model.chat": p.chat,
+        "task.params": p.task_params,
+        "objective.lr": lr,
+        "learner.prompts_per_update": p.prompts,
+        "learner.group_size": p.group,
+        "sampling.max_new_tokens": p.new_tokens,
+    }
+    cfg = OneProcessConfig(from_overrides(Run, run), steps=updates, seed=seed)
+    with tempfile.TemporaryDirectory(prefix="heterorl-bench-rl-") as tmp:
+        run_one_process(cfg, tmp, progress=False, on_update=on_update, save_checkpoint=False)
+
+
+def bench_model(name: str, path: str, runs: list[tuple[float, int]], seed: int) -> dict:
     p = DEFAULTS[name]
     out = []
     for lr, updates in runs:
         shape = f"{p.prompts} prompts x {p.group}, {p.new_tokens} new tokens"
         _say(f"  {name}, lr {lr:g}: {updates} RL updates ({shape})")
         meter = VersionMeter(lr)
-        run = {
-            "model.path": path,
-            "model.chat": p.chat,
-            "task.params": p.task_params,
-            "objective.lr": lr,
-            "learner.prompts_per_update": p.prompts,
-            "learner.group_size": p.group,
-            "sampling.max_new_tokens": p.new_tokens,
-        }
-        cfg = OneProcessConfig(from_overrides(Run, run), steps=updates, seed=seed)
-        with tempfile.TemporaryDirectory(prefix="heterorl-bench-weights-") as tmp:
-            run_one_process(cfg, tmp, progress=False, on_update=meter, save_checkpoint=False)
+        rl_updates(name, path, lr, updates, seed, meter)
         out.append(meter.summary())
     first = out[0]
     keys = ("lr", "updates", "delta_ratio", "delta_ratio_unique", "delta_ratio_first",
