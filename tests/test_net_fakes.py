@@ -445,7 +445,16 @@ def test_bad_batches_are_refused_for_good(swarm):
     run(go())
 
 
+class _LongestJitter(random.Random):
+    """Full-jitter backoff that always draws its ceiling: a random draw near 0 s is due again at once."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
 def test_an_unreachable_learner_keeps_the_batch_and_backs_off(swarm):
+    swarm.outbox._rng = _LongestJitter()
+
     async def go():
         swarm.sender._fixed = [LearnerAddress(swarm.lid.public_key, "12D3KooWGone", ())]
         bid, raw = _batch(swarm.sid)
