@@ -55,6 +55,8 @@ NAMED = {
     "objective.advantage": "rloo",
     "learner.checkpoint_dtype": "bfloat16",
     "trust.min_reproduced": 0.9,
+    "lineage.exchange": "dense",
+    "lineage.k": 64,
 }
 
 

@@ -46,6 +46,7 @@ import torch
 
 from heterorl.protocol import ProtocolError, encode
 from heterorl.protocol.net.lineage import (
+    Exchange,
     LineageLink,
     LineageWriter,
     NamedBatch,
@@ -57,9 +58,11 @@ from heterorl.protocol.storage.files import atomic_write_json
 from heterorl.protocol.storage.jsonlog import append_row
 from heterorl.protocol.wire.gradients import encode_gradient, parameter_schema
 from heterorl.protocol.wire.messages import MAX_TRAINED_IDS
+from heterorl.protocol.wire.sparse_gradient import decode_part, flat_size
 
 from ..learner.assembler import Assembled
 from ..learner.combine import Accumulator, part_refusal, state_sha256
+from ..learner.compress import ErrorFeedback, flatten
 from ..learner.election import FRESH_S, Decision, Lease, Me, elect, lead
 from ..learner.trainer import LR_SCALE_KEY, LineageTrainer
 from .adopter import Adopter
@@ -101,7 +104,17 @@ class LineageRole:
         self.key = learner.identity.public_key
         self.schema = parameter_schema(self.trainer.named_trainable())
         self.batch_tokens = s.limits.max_batch_rows * s.sampling.max_new_tokens
-        self.acc = Accumulator(s.learner.grad_clip)
+        lx = s.lineage
+        self.exchange = Exchange(self.schema, sparse=lx.exchange == "sparse", k=lx.k)
+        self.numel = flat_size(self.schema)
+        # a part's clip: the run's gradient norm (dense), or lx.update_clip × the norm of a step that moves
+        # every weight by lr (sparse: parts are AdamW steps, not gradients)
+        self.part_clip = (
+            lx.update_clip * s.objective.lr * self.numel**0.5 if self.exchange.sparse else s.learner.grad_clip
+        )
+        self.sent_feedback: ErrorFeedback | None = None  # sparse: what this learner's parts have not sent yet
+        self.commit_feedback: ErrorFeedback | None = None  # sparse: what its commits (as writer) have not
+        self.acc = Accumulator(self.part_clip)
         self.writer = LineageWriter(
             learner.identity,
             s.run_id,
@@ -110,6 +123,7 @@ class LineageRole:
             refusal=lambda batches, lr, grad: part_refusal(batches, lr, grad, self.batch_tokens),
             vet=self._vet,
             accumulate=lambda part, grads: self.acc.add(part.tokens, grads, part.lr_scale),
+            exchange=self.exchange,
         )
         self.view = LineageView(
             learner.node, s.run_id, s.learner_keys, self.key, on_look=self._looked, on_bans=self._peer_bans
@@ -285,7 +299,7 @@ class LineageRole:
         address = self.view.address(key)
         if address is None:
             return False
-        link = LineageLink(l.node, l.identity, s.run_id, key, self.schema)
+        link = LineageLink(l.node, l.identity, s.run_id, key, self.schema, self.exchange)
         try:
             offered = link.open(address.peer_id, address.maddrs, self.trainer.version, self.state, self.term)
         except Exception as e:  # a dead or unreachable writer (libp2p's dial errors have types of their own)
@@ -424,7 +438,10 @@ class LineageRole:
             self.writer.reopen()
             return
         if batches:
-            self.acc.add(sum(t for _, _, t in own), grads, min(1.0, float(stats.get(LR_SCALE_KEY, 1.0))))
+            lr_scale = min(1.0, float(stats.get(LR_SCALE_KEY, 1.0)))
+            if self.exchange.sparse:  # its own AdamW step, whole: only members' parts travel compressed
+                grads = self.trainer.local_update(grads, lr_scale)
+            self.acc.add(sum(t for _, _, t in own), grads, lr_scale)
         if not len(self.acc):  # nothing to step on
             self.writer.reopen()
             return
@@ -441,11 +458,16 @@ class LineageRole:
         ]
         parent, parent_state = self.trainer.version, self.state
         self.trainer.renumber(version - 1)  # a new writer's first commit may skip numbers: never signed
-        update = self.trainer.commit_update(combined, lr_scale)
+        if self.exchange.sparse:
+            update_bytes, update_sha = self._sparse_commit(combined, version)
+            grad_bytes, grad_sha = b"", hashlib.sha256(b"").digest()
+        else:
+            update = self.trainer.commit_update(combined, lr_scale)
+            update = {n: u.to("cpu", torch.float32) for n, u in update.items()}
+            update_bytes, update_sha = encode_gradient(update)
+            grad_bytes, grad_sha = encode_gradient(combined)
         self.state = state_sha256(self.trainer.named_trainable())
         self._keep_state(version, self.state)
-        update_bytes, update_sha = encode_gradient({n: u.to("cpu", torch.float32) for n, u in update.items()})
-        grad_bytes, grad_sha = encode_gradient(combined)
         due = l.publish_due or version % s.learner.publish_every == 0 or version == l.opt.max_steps
         publish = due and l.publisher.idle()
         fields = {
@@ -467,7 +489,7 @@ class LineageRole:
         # the lineage it rejoins trained them (the ledger reconciles on join)
         l.ledger.mark_applied([b.batch_id for b in batches], version)
         self._trained(trained, version)
-        self.acc = Accumulator(s.learner.grad_clip)  # before the next round opens: members' parts go there
+        self.acc = Accumulator(self.part_clip)  # before the next round opens: members' parts go there
         self._chaos_hook(parent, parent_state)
         self.writer.commit(fields, update_bytes, grad_bytes)
         self._pace.append(time.monotonic())
@@ -479,10 +501,32 @@ class LineageRole:
             l.offer_version()
         self._record(version, batches, {**stats, "grad_norm": norm}, len(parts))
 
+    def _sparse_commit(self, combined: dict, version: int) -> tuple[bytes, bytes]:
+        """The writer's sparse commit of the parts' combined step: the top-k of it plus what its earlier
+        commits left out (its own error feedback), applied here exactly as every member applies it (decoded
+        from the frame's own bytes). Returns the frame and its SHA-256."""
+        if self.commit_feedback is None:
+            self.commit_feedback = ErrorFeedback(self.numel, self.exchange.k)
+        frame = self.commit_feedback.step(flatten(combined, self.schema)).frame()
+        sha = hashlib.sha256(frame).digest()
+        self.trainer.apply_update(decode_part(frame, sha, self.schema, self.exchange.k), None, version)
+        return frame, sha
+
+    def _sparse_part(self, grads: dict, lr_scale: float) -> tuple[bytes, bytes, torch.Tensor]:
+        """A member's sparse part: its own AdamW step on ``grads``, plus what its earlier parts left out,
+        compressed. Returns the frame, its SHA-256 and the residual before (restored when the commit comes
+        without the part: its batches train again, and the step with them)."""
+        if self.sent_feedback is None:
+            self.sent_feedback = ErrorFeedback(self.numel, self.exchange.k)
+        before = self.sent_feedback.residual.clone()
+        step = flatten(self.trainer.local_update(grads, lr_scale), self.schema)
+        frame = self.sent_feedback.step(step).frame()
+        return frame, hashlib.sha256(frame).digest(), before
+
     def _abandon_round(self, why: str) -> None:
         """The step's sum cannot be committed: members waiting hear it (their streams close: they rejoin)."""
         log.error("lineage: step abandoned: %s", why)
-        self.acc = Accumulator(self.s.learner.grad_clip)
+        self.acc = Accumulator(self.part_clip)
         term, version, state = self.lease.term, self.trainer.version, self.state
         self.writer.deactivate(f"the step was abandoned: {why}")
         self.writer.activate(term, version, state)
@@ -508,8 +552,10 @@ class LineageRole:
             raise WriterGone(f"a writer in term {higher[0].term} fences this one's ({link.term})")
         t = time.perf_counter()
         batches, grads, stats = self._own_part(got)
-        data = sha = None
-        if batches:
+        data = sha = before = None
+        if batches and self.exchange.sparse:
+            data, sha, before = self._sparse_part(grads, min(1.0, float(stats.get(LR_SCALE_KEY, 1.0))))
+        elif batches:
             data, sha = encode_gradient(grads)
         body = {
             "run_id": s.run_id,
@@ -524,16 +570,19 @@ class LineageRole:
             reply = link.exchange(encode("Contribution", body, l.identity), data)
         except BaseException:
             self._return_batches(batches)  # not in any commit this learner heard of: the next step takes them
+            self._unsent(before)
             raise
         for raw in reply.body["manifests"]:
             self._adopt(raw)
         if reply.kind == "LineageWait":
             refused = reply.body.get("refused")
             self._refused(batches, refused)
+            self._unsent(before)
             return
         c = reply.body
         if c["parent_version"] != self.trainer.version or c["parent_state"] != self.state:
             self._return_batches(batches)
+            self._unsent(before)
             self.adopter.mismatched += c["parent_state"] != self.state
             raise WeightsDisagree(
                 f"the writer's commit {c['version']} is on version {c['parent_version']}, this learner holds "
@@ -543,6 +592,8 @@ class LineageRole:
         self._log_commit(c, trained, "member")
         mine = {bytes(b["batch_id"]) for a in c["applied"] if a["learner"] == self.key for b in a["batches"]}
         used = [b for b in batches if b.batch_id in mine]
+        if not used:
+            self._unsent(before)  # the commit came without this learner's part
         l.ledger.mark_applied([b.batch_id for b in used], c["version"])  # the lineage holds them now
         dropped = set(self._trained(trained, c["version"]))  # resent to another learner, trained there
         self.trainer.apply_update(reply.update, reply.gradient, c["version"])
@@ -558,6 +609,11 @@ class LineageRole:
         l.stats.train_s += time.perf_counter() - t
         l.save_if_due()
         self._record(c["version"], used, stats if used else {}, len(c["applied"]))
+
+    def _unsent(self, before: torch.Tensor | None) -> None:
+        """A sparse part that no commit took: the residual as it was before it (None: nothing to undo)."""
+        if before is not None and self.sent_feedback is not None:
+            self.sent_feedback.residual = before
 
     def _refused(self, batches, refused: dict | None) -> None:
         """The writer left this learner's part out for good (its reason): those batches are dropped, never

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from ..model import adapter as lora
 from ..model.logprobs import model_device
+from .combine import clip_
 from .rows import Rows
 from .state import load_state, save_state
 from .state_transfer import load_state_bytes, state_bytes
@@ -116,7 +117,11 @@ class LineageTrainer(TrainerLike, Protocol):
 
     def commit_update(self, grads: dict[str, Tensor], lr_scale: float = 1.0) -> dict[str, Tensor]: ...
 
-    def apply_update(self, update: dict[str, Tensor], grads: dict[str, Tensor], version: int) -> None: ...
+    def apply_update(
+        self, update: dict[str, Tensor], grads: dict[str, Tensor] | None, version: int
+    ) -> None: ...
+
+    def local_update(self, grads: dict[str, Tensor], lr_scale: float = 1.0) -> dict[str, Tensor]: ...
 
     def state_bytes(self) -> tuple[bytes, bytes]: ...
 
@@ -210,16 +215,37 @@ class Trainer:
         self.version += 1
         return update
 
-    def apply_update(self, update: dict[str, Tensor], grads: dict[str, Tensor], version: int) -> None:
+    def apply_update(self, update: dict[str, Tensor], grads: dict[str, Tensor] | None, version: int) -> None:
         """A lineage member's step: add the writer's ``update`` to the weights (bit-identical to the writer's,
         whatever kernel either runs) and take the combined ``grads`` into this learner's own AdamW moments
-        (the exact arithmetic there does not matter: they shape updates only once this learner writes).
+        (the exact arithmetic there does not matter: they shape updates only once this learner writes; None:
+        a sparse exchange, where each learner's moments take its own gradients in :meth:`local_update`).
         ``version``: the commit's (a new writer's first commit may skip numbers)."""
         with torch.no_grad():
             for n, p in self.named_trainable():
                 p.add_(update[n].to(p.device, p.dtype))
-                self._moments(p, grads[n].to(p.device, torch.float32))
+                if grads is not None:
+                    self._moments(p, grads[n].to(p.device, torch.float32))
         self.version = version
+
+    def local_update(self, grads: dict[str, Tensor], lr_scale: float = 1.0) -> dict[str, Tensor]:
+        """This learner's own AdamW step on ``grads`` (consumed: clipped in place to the run's norm), not
+        applied: the weights stay exactly as they were, the optimiser's moments and step count advance.
+        Returns the step (new − old) as float32 CPU tensors by name: a sparse exchange's part before
+        compression (the pseudo-gradient of one inner step, as SparseLoCo's with H = 1)."""
+        named = self.named_trainable()
+        clip_(grads, self.options.grad_clip)
+        old = {n: p.detach().clone() for n, p in named}
+        for n, p in named:
+            p.grad = grads[n].to(p.device, p.dtype)
+        scaled_optimizer_step(self.optimizer, lr_scale)
+        self.optimizer.zero_grad(set_to_none=True)
+        step = {}
+        with torch.no_grad():
+            for n, p in named:
+                step[n] = (p.detach().float() - old[n].float()).to("cpu")
+                p.copy_(old[n])
+        return step
 
     def _moments(self, p: nn.Parameter, g: Tensor) -> None:
         """AdamW's moments and step count of ``p`` after gradient ``g`` (the weights do not change)."""

@@ -64,6 +64,7 @@ from heterorl.protocol.wire.messages import (
     decode,
     encode,
 )
+from heterorl.protocol.wire.sparse_gradient import DEFAULT_K, decode_part, flat_size, frame_size
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +195,28 @@ def unpack_trained(data: bytes) -> list[tuple[bytes, bytes]]:
     return [(data[i : i + BATCH_ID_BYTES], data[i + BATCH_ID_BYTES : i + n]) for i in range(0, len(data), n)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """How a part and a commit's update travel (the run's ``[lineage]``): float32 safetensors (dense, the
+    commit with the combined gradient as a second frame), or compressed frames of ``k`` values in each chunk
+    of 4 096 (sparse, :mod:`heterorl.protocol.wire.sparse_gradient`; the commit's second frame is empty)."""
+
+    schema: Schema
+    sparse: bool = False
+    k: int = DEFAULT_K
+
+    @property
+    def cap(self) -> int:
+        """The largest part or update frame: a sparse frame's exact size, a dense gradient's cap."""
+        return frame_size(flat_size(self.schema), self.k) if self.sparse else gradient_frame_cap(self.schema)
+
+    def decode(self, data: bytes, sha256: bytes) -> dict:
+        """A part's or an update's tensors by name, every field checked (ProtocolError)."""
+        if self.sparse:
+            return decode_part(data, sha256, self.schema, self.k)
+        return decode_gradient(data, sha256, self.schema)
+
+
 Vet = Callable[[bytes, list[NamedBatch]], "str | None"]
 Accumulate = Callable[[Part, dict], None]
 
@@ -218,12 +241,15 @@ class LineageWriter:
         refusal: Callable[[list[NamedBatch], float, bool], str | None],
         vet: Vet,
         accumulate: Accumulate,
+        exchange: Exchange | None = None,
     ):
-        """Attached by every learner of a lineage; refuses members until :meth:`activate` (it writes)."""
+        """Attached by every learner of a lineage; refuses members until :meth:`activate` (it writes).
+        ``exchange``: how parts travel (default: dense)."""
         self.identity, self.run_id, self.schema = identity, run_id, schema
         self.refusal, self.vet, self.accumulate = refusal, vet, accumulate
+        self.codec = exchange if exchange is not None else Exchange(schema)
         self.allowed = set(learner_keys) - {identity.public_key}
-        self._cap = gradient_frame_cap(schema)
+        self._cap = self.codec.cap
         self._node: Node | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
@@ -513,7 +539,7 @@ class LineageWriter:
             rnd.named.update(part.batch_ids)
         try:
             async with self._one_part:  # one member's gradient in memory at a time, whatever the members
-                grads = await asyncio.to_thread(decode_gradient, data, grad_sha256, self.schema)
+                grads = await asyncio.to_thread(self.codec.decode, data, grad_sha256)
                 await asyncio.to_thread(self.accumulate, part, grads)
                 del grads
         except BaseException:
@@ -575,10 +601,19 @@ class LineageLink:
     """A member's link to the writer: :meth:`open` (the hellos), then :meth:`exchange` each step (a sync
     facade over the node's loop for the training thread)."""
 
-    def __init__(self, node: Node, identity: Identity, run_id: str, writer_key: bytes, schema: Schema):
+    def __init__(
+        self,
+        node: Node,
+        identity: Identity,
+        run_id: str,
+        writer_key: bytes,
+        schema: Schema,
+        exchange: Exchange | None = None,
+    ):
         self.node, self.identity, self.run_id = node, identity, run_id
         self.writer_key, self.schema = writer_key, schema
-        self._cap = gradient_frame_cap(schema)
+        self.codec = exchange if exchange is not None else Exchange(schema)
+        self._cap = gradient_frame_cap(schema)  # the offered weights' (float32, dense)
         self._stream = None
         self.term = 0
         self.manifests: list[bytes] = []
@@ -672,11 +707,14 @@ class LineageLink:
                 continue  # a keepalive: the part waits in the round
             if kind == "LineageWait":
                 return Reply(kind, body)
-            update = await self._read(reader, self._cap)
-            grad = await self._read(reader, self._cap)
+            sparse = self.codec.sparse
+            update = await self._read(reader, self.codec.cap)
+            grad = await self._read(reader, 0 if sparse else self.codec.cap)
             self.bytes_received += len(update) + len(grad)
-            decoded = await asyncio.to_thread(decode_gradient, update, body["update_sha256"], self.schema)
-            combined = await asyncio.to_thread(decode_gradient, grad, body["grad_sha256"], self.schema)
+            decoded = await asyncio.to_thread(self.codec.decode, update, body["update_sha256"])
+            combined = None
+            if not sparse:
+                combined = await asyncio.to_thread(decode_gradient, grad, body["grad_sha256"], self.schema)
             return Reply(kind, body, decoded, combined)
 
     async def _read(self, reader, cap: int) -> bytes:

@@ -9,7 +9,7 @@ from command-line overrides.
   advantage estimators, chat modes);
 - :mod:`.sections` ``[model]``, ``[task]``, ``[objective]``, ``[sampling]``, ``[limits]``;
 - :mod:`.roles` ``[learner]``, ``[sampler]``, ``[adapter]``;
-- :mod:`.trust` ``[trust]``;
+- :mod:`.trust` ``[trust]``; :mod:`.lineage` ``[lineage]``;
 - :mod:`.run` :class:`Run`, :class:`RunConfig` (run.toml), :class:`RunSettings`;
 - :mod:`.spec` where settings travel in a RunSpec body; :mod:`.tree` the parser; :mod:`.flags` CLI flags
   made from settings; :mod:`.toml_text` run.toml written from a tree.
@@ -29,6 +29,7 @@ from .base import (
     setting,
 )
 from .flags import add_adapter_flag, add_flag, add_set_flag, overrides_of
+from .lineage import EXCHANGES, LineageSettings
 from .roles import ADAPTER_FLAG_HELP, AdapterSettings, LearnerSettings, SamplerSettings, parse_adapter_flag
 from .run import (
     EXAMPLE,
@@ -75,6 +76,8 @@ __all__ = [
     "RunSettings",
     "SamplerSettings",
     "TrustSettings",
+    "LineageSettings",
+    "EXCHANGES",
     "SamplingSettings",
     "TaskSettings",
     "add_adapter_flag",

@@ -20,6 +20,7 @@ from typing import Any
 
 from . import spec, toml_text
 from .base import REQUIRED, check_update_fits, setting
+from .lineage import LineageSettings
 from .roles import AdapterSettings, LearnerSettings, SamplerSettings
 from .sections import LimitsSettings, ModelSettings, ObjectiveSettings, SamplingSettings, TaskSettings
 from .tree import apply_overrides, from_dict, to_dict
@@ -94,6 +95,9 @@ check_rate = 0.05                  # share of batches of authors with a record t
 record_batches = 8                 # an author's first 8 batches (and 8 after a strike): checked, held
 ban_strikes = 3                    # refused batches that ban an author for the run
 
+# [lineage]                        # several learner_keys: how the learners combine each version
+# exchange = "sparse"              # sparse (top-32 of 4096, 2-bit: 0.4 % of dense; internet) | dense
+
 # [adapter]                        # LoRA adapters on a frozen base; absent: full fine-tuning
 # rank = 8                         # checkpoints carry only the adapters (rank × (in + out) per target)
 # alpha = 16                       # scale alpha / rank; adapter runs want ~10x the full-FT lr (5e-3)
@@ -114,6 +118,7 @@ class Run:
     learner: LearnerSettings = setting(None, "[learner]", factory=LearnerSettings)
     sampler: SamplerSettings = setting(None, "[sampler]", factory=SamplerSettings)
     trust: TrustSettings = setting(None, "[trust]", factory=TrustSettings)
+    lineage: LineageSettings = setting(None, "[lineage]", factory=LineageSettings)
     adapter: AdapterSettings | None = setting(None, "[adapter]: LoRA on a frozen base; absent: full FT")
 
     def __post_init__(self) -> None:

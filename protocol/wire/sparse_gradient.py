@@ -18,6 +18,7 @@ with 12-bit indices; this sends the top 32 of 4 096 by default: 64 bytes a chunk
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -125,3 +126,20 @@ def dense_of(indices, codes, scales, numel: int, chunk: int = CHUNK) -> torch.Te
     rows = torch.arange(c, dtype=torch.int64).unsqueeze(1) * chunk
     out[(rows + idx).reshape(-1)] = values.reshape(-1)
     return out[:numel]
+
+
+def decode_part(data: bytes, sha256: bytes, schema, k: int = DEFAULT_K) -> dict[str, torch.Tensor]:
+    """The float32 tensors by name (``schema``: (name, shape) pairs, the flattening order) that a compressed
+    frame stands for, checked against the signed ``sha256`` and every field (:func:`unpack_frame`);
+    ProtocolError naming what is wrong."""
+    if hashlib.sha256(data).digest() != sha256:
+        raise ProtocolError("compressed gradient bytes do not hash to the signed sha256")
+    vector = decode_frame(data, flat_size(schema), k)
+    out, at = {}, 0
+    for name, shape in schema:
+        n = 1
+        for d in shape:
+            n *= d
+        out[name] = vector[at : at + n].reshape(shape)
+        at += n
+    return out
