@@ -54,6 +54,8 @@ def test_two_learners_train_one_lineage_agree_at_every_version_and_refuse_others
         run_id = _run_id(swarm)
         keys = [bytes.fromhex(k) for k in swarm.learner_keys]
         w = next(i for i, d in enumerate(swarm.learner_dirs) if _rows(d, "writer"))  # who writes: elected
+        # a version is published when its publisher is idle (else a later one is): wait for 12 of them
+        _wait_for(lambda: len(_rows(swarm.learner_dirs[w], "published")) >= 12, 120, swarm)
         node = Node.start(Identity.generate(), NetConfig(bootstrap=tuple(swarm.ready["maddrs"])))
         try:
             writer = _address(node, run_id, keys[w])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
 import random
@@ -19,6 +21,7 @@ from heterorl.sim.wire import chunk_lengths, manifest_bytes, synthetic_manifest,
 FAST = HardwareClass("fast", 1.0, 4000, 1000, 1000, 20, math.inf, 1.0)
 SLOW_LINK = HardwareClass("slowlink", 1.0, 4000, 20, 20, 40, math.inf, 1.0)
 CHURNY = HardwareClass("churny", 1.0, 2000, 500, 100, 30, 0.05, 0.02)
+CPU = HardwareClass("cpu", 1.0, 400, 100, 20, 50, math.inf, 1.0)  # learner peers short of data
 
 
 def _sim(fleet=(FAST,), **kw) -> Simulation:
@@ -179,6 +182,14 @@ def test_one_learner_has_no_exchange_and_ignores_the_learner_link():
     r = _sim(samplers=30).run()
     same = _sim(samplers=30, learner_link_bytes_per_s=1.0, learner_rtt_s=9.0).run()
     assert r["counts"] == same["counts"] and r["staleness"] == same["staleness"]
+    # nor the exchange's settings: no codec, no overlap
+    for kw in ({"exchange": "dense"}, {"codec_s_per_gb": 100.0, "exchange_ratio": 1.0, "overlap": True}):
+        other = _sim(samplers=30, **kw).run()
+        assert other["counts"] == r["counts"] and other["staleness"] == r["staleness"]
+        assert (
+            other["learner"] == r["learner"]
+            and other["learners"]["per_learner"] == r["learners"]["per_learner"]
+        )
     lr = r["learners"]
     assert lr["count"] == 1 and lr["updates_per_version"] == 1.0
     assert lr["exchange_bytes_per_version"] == 0 and lr["rounds"]["exchanging"] == 0
@@ -209,7 +220,7 @@ def test_samplers_spread_over_learners_by_rendezvous_hashing():
 def test_learner_peers_train_more_rows_when_the_learner_is_the_bottleneck():
     one_sim = _sim(samplers=30)
     one = one_sim.run()
-    two_sim = _sim(samplers=30, learners=2)
+    two_sim = _sim(samplers=30, learners=2, exchange="dense", overlap=False)
     two = two_sim.run()
     assert one["learner"]["training"] + one["learner"]["publishing"] > 0.95  # the learner is the limit
     # each version trains on both learners' updates; a round costs one update plus a 0.2 s exchange
@@ -228,7 +239,7 @@ def test_learner_peers_train_more_rows_when_the_learner_is_the_bottleneck():
     _books_balance(two_sim, two)
     # through a slow writer's link (a 100 MB gradient, three times, at 20 MB/s: 15 s a version) two learners
     # train fewer rows per second than one
-    slow = _sim(samplers=30, learners=2, learner_link_bytes_per_s=2e7).run()
+    slow = _sim(samplers=30, learners=2, learner_link_bytes_per_s=2e7, exchange="dense", overlap=False).run()
     assert slow["trajectories_per_s"] < one["trajectories_per_s"]
     assert slow["learners"]["rounds"]["exchanging"] > 0.6
 
@@ -236,7 +247,7 @@ def test_learner_peers_train_more_rows_when_the_learner_is_the_bottleneck():
 @pytest.mark.fast
 def test_the_writer_moves_three_model_sized_frames_per_member_and_version():
     for n in (2, 3):
-        sim = _sim(samplers=30, learners=n, warmup_h=0.05)
+        sim = _sim(samplers=30, learners=n, warmup_h=0.05, exchange="dense")
         r = sim.run()
         lr, g = r["learners"], sim.cfg.gradient_bytes
         assert g == 2 * sim.cfg.model_bytes  # float32, 4 bytes a parameter of a bf16 checkpoint
@@ -246,7 +257,7 @@ def test_the_writer_moves_three_model_sized_frames_per_member_and_version():
         assert lr["exchange_bytes_per_version"] == 3 * (n - 1) * g
         assert lr["exchange_s_per_version"] == pytest.approx(3 * (n - 1) * g / 1.25e9 + 0.05)
     # short of data, a member without an update sends nothing but still gets the commit
-    sim = _sim(fleet=(HardwareClass("cpu", 1.0, 400, 100, 20, 50, math.inf, 1.0),), samplers=6, learners=3)
+    sim = _sim(fleet=(CPU,), samplers=6, learners=3, exchange="dense")
     r = sim.run()
     lr, g, versions = r["learners"], sim.cfg.gradient_bytes, r["counts"]["updates"]
     members = sum(ln.parts for ln in sim.learners[1:])
@@ -256,16 +267,109 @@ def test_the_writer_moves_three_model_sized_frames_per_member_and_version():
     _books_balance(sim, r)
 
 
+@pytest.mark.fast
+def test_the_sparse_exchange_moves_compressed_parts_and_pays_the_codec():
+    for n in (2, 3):
+        sim = _sim(samplers=30, learners=n, warmup_h=0.05, overlap=False)  # sparse (the default), no overlap
+        r = sim.run()
+        cfg, lr, g = sim.cfg, r["learners"], sim.cfg.gradient_bytes
+        assert lr["exchange"] == "sparse" and lr["overlap"] is False
+        p = cfg.part_bytes
+        assert p == round(0.0039 * g)
+        # every learner has an update in every round: N - 1 parts in, the commit (one part's size) out to
+        # each of the N - 1 members
+        assert lr["updates_per_version"] == n
+        assert lr["exchange_bytes_per_version"] == 2 * (n - 1) * p
+        assert lr["exchange_bytes_per_version"] == pytest.approx(2 * (n - 1) * 0.0039 * g, rel=1e-6)
+        codec = 2 * 0.05 * g / 1e9  # two encode + decode pairs of the gradient
+        assert lr["exchange_s_per_version"] == pytest.approx(codec + 2 * (n - 1) * p / 1.25e9 + 0.05)
+    # short of data, a member without an update sends nothing but still gets the commit
+    sim = _sim(fleet=(CPU,), samplers=6, learners=3)
+    r = sim.run()
+    lr, p, versions = r["learners"], sim.cfg.part_bytes, r["counts"]["updates"]
+    members = sum(ln.parts for ln in sim.learners[1:])
+    assert lr["updates_per_version"] < 2.5 and members < 2 * versions
+    assert lr["exchange_bytes_per_version"] * versions == (versions * 2 + members) * p
+    _books_balance(sim, r)
+    # the formulas, member by member: (n + N - 1) parts sparse, (n + 2 (N - 1)) gradients dense
+    sparse = SimConfig(learners=4, exchange_ratio=0.01, codec_s_per_gb=2.0, learner_link_bytes_per_s=1e8)
+    dense = dataclasses.replace(sparse, exchange="dense")
+    g, p = sparse.gradient_bytes, sparse.part_bytes
+    assert p == round(0.01 * g) and sparse.codec_s == pytest.approx(4.0 * g / 1e9) and dense.codec_s == 0
+    for n in range(4):
+        assert sparse.exchange_bytes(n) == (n + 3) * p and dense.exchange_bytes(n) == (n + 6) * g
+        assert sparse.exchange_s(n) == pytest.approx(4.0 * g / 1e9 + n * p / 1e8 + 3 * p / 1e8 + 0.05)
+        assert dense.exchange_s(n) == pytest.approx((n + 6) * g / 1e8 + 0.05)
+    one = dataclasses.replace(sparse, learners=1)
+    assert one.exchange_bytes(0) == 0 and one.exchange_s(0) == 0
+
+
+@pytest.mark.fast
+def test_overlap_hides_the_exchange_behind_the_next_update():
+    # an exchange about as long as an update: 2.4 s of codec (a 0.1 GB gradient at 12 s/GB, twice) and 2.6 s
+    kw = dict(samplers=30, learners=2, codec_s_per_gb=12.0, publish_every=10)
+    serial_sim, overlap_sim = _sim(overlap=False, **kw), _sim(overlap=True, **kw)
+    serial, overlap = serial_sim.run(), overlap_sim.run()
+    assert overlap["learners"]["overlap"] is True and serial["learners"]["overlap"] is False
+    assert overlap["updates_per_h"] > 1.6 * serial["updates_per_h"]
+    assert overlap["trajectories_per_s"] > 1.6 * serial["trajectories_per_s"]
+    # the same exchange per version, no longer in the learners' way: they compute while it runs
+    ls, lo = serial["learners"], overlap["learners"]
+    assert lo["updates_per_version"] == pytest.approx(ls["updates_per_version"], abs=0.02)
+    assert lo["exchange_s_per_version"] == pytest.approx(ls["exchange_s_per_version"], rel=1e-3)
+    assert lo["rounds"]["computing"] + lo["rounds"]["exchanging"] > 1.5
+    for s, o in zip(ls["per_learner"], lo["per_learner"], strict=True):
+        assert o["computing"] > 1.6 * s["computing"] and o["in_round_waiting"] < 0.5 * s["in_round_waiting"]
+    _books_balance(serial_sim, serial)
+    _books_balance(overlap_sim, overlap)  # rows trained and rows waiting in a round or a buffer
+    # an exchange longer than an update sets the pace: one in flight, a version per exchange at most
+    slow = _sim(overlap=True, **{**kw, "codec_s_per_gb": 40.0}).run()
+    bound = 3600 / slow["learners"]["exchange_s_per_version"]
+    assert 0.85 * bound < slow["updates_per_h"] <= bound
+    assert slow["learners"]["rounds"]["exchanging"] > 0.9
+
+
+@pytest.mark.fast
+def test_bad_exchange_settings_are_refused():
+    with pytest.raises(ValueError, match='exchange must be "dense" or "sparse"'):
+        SimConfig(exchange="topk")
+    for r in (0.0, -0.1, 1.5, math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"exchange_ratio must lie in \(0, 1\]"):
+            SimConfig(exchange_ratio=r)
+    for c in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="codec_s_per_gb must be a number >= 0"):
+            SimConfig(codec_s_per_gb=c)
+    assert SimConfig(exchange_ratio=1.0, codec_s_per_gb=0.0).codec_s == 0
+    # the command line: argparse knows the modes; the sparse exchange's settings are refused with dense
+    from heterorl.sim.cli import _config, add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    cfg = _config(ap.parse_args(["--exchange-ratio", "0.01", "--codec-s-per-gb", "4.2", "--overlap"]), 10, 2)
+    assert (cfg.exchange, cfg.exchange_ratio, cfg.codec_s_per_gb, cfg.overlap) == ("sparse", 0.01, 4.2, True)
+    assert _config(ap.parse_args(["--exchange", "dense"]), 10, 2).exchange == "dense"
+    assert _config(ap.parse_args([]), 10, 2).overlap is True  # the daemon's default
+    assert _config(ap.parse_args(["--no-overlap"]), 10, 2).overlap is False
+    with pytest.raises(ValueError, match=r"exchange_ratio must lie in \(0, 1\]"):
+        _config(ap.parse_args(["--exchange-ratio", "0"]), 10, 2)
+    with pytest.raises(ValueError, match="not with dense"):
+        _config(ap.parse_args(["--exchange", "dense", "--codec-s-per-gb", "1"]), 10, 2)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--exchange", "topk"])
+
+
 def test_cli_learners_table(tmp_path):
     out = tmp_path / "sim.json"
     cmd = [sys.executable, "-m", "heterorl.cli", "simulate", "--samplers", "12", "--learners", "1", "2"]
     cmd += ["--hours", "0.1", "--warmup-h", "0.02", "--model-bytes", "1e8", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "| samplers | learners | versions/h | rows trained/s" in done.stdout
+    assert "| samplers | learners | versions/h | rows trained/s | exchange | overlap |" in done.stdout
     assert "| 12 | 2 |" in done.stdout and "12 samplers, 2 learners (" in done.stdout
+    assert "| sparse | yes |" in done.stdout and "learner peers: sparse exchange" in done.stdout
     results = json.loads(out.read_text())
     assert [r["config"]["learners"] for r in results] == [1, 2]
+    assert results[1]["learners"]["exchange"] == "sparse" and results[1]["learners"]["overlap"] is True
     bad = subprocess.run(cmd[:-2] + ["--learners", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "learners must lie in" in bad.stdout
 

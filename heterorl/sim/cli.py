@@ -13,16 +13,22 @@ weights --json FILE` measured) or the changed chunks of the older chunk model (-
 full checkpoint every time.
 
 --learners N (several values: one run each) trains one lineage on N learner peers: samplers spread over them
-by rendezvous hashing, each version a step to which every learner with a full update contributes one: its
-float32 gradient in through the writer's link (--learner-link-bytes-per-s), the commit's parameter update and
-combined gradient out to every member.
+by rendezvous hashing, each version a step to which every learner with a full update contributes one. Every
+learner has a link of its own (--learner-link-bytes-per-s, each way); the writer's carries the exchange. With
+--exchange sparse (the default) each member with data sends a compressed part (--exchange-ratio of its
+float32 gradient, what `heterorl bench exchange` measures) and the writer sends every member its commit,
+compressed again to one part's size; two encode + decode pairs (--codec-s-per-gb) sit on the round's path.
+With --exchange dense the float32 gradients go in, and the commit's parameter update and combined gradient
+out. A version's exchange runs while the next update is computed (--no-overlap: after it), as the
+daemon's [lineage] overlap does.
 
 example:
   heterorl simulate --samplers 100 1000 3000 --hours 2
   heterorl simulate --samplers 1000 --publish-every 10 --changed-frac 0.05
   heterorl bench weights --json w.json; heterorl simulate --samplers 1000 --delta-ratio w.json
   heterorl simulate --samplers 1000 --delta-ratio w.json:tiny --background-fetch --max-lag 16
-  heterorl simulate --samplers 1000 --learners 1 2 4 --learner-link-bytes-per-s 1.25e10
+  heterorl simulate --samplers 1000 --learners 1 2 4 --learner-link-bytes-per-s 1.25e8 --no-overlap
+  heterorl simulate --samplers 1000 --learners 1 2 4 --exchange dense --learner-link-bytes-per-s 1.25e10
 """
 
 from __future__ import annotations
@@ -136,13 +142,47 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--learner-link-bytes-per-s",
         type=float,
         default=d.learner_link_bytes_per_s,
-        help="the writer's link, gradients in and the combined one out (default %(default)g: 10 Gbit/s)",
+        help="every learner's own link, each direction (full duplex); the writer's is the bottleneck: every "
+        "member's contribution in, the commit out to each member (default %(default)g: 10 Gbit/s)",
     )
     g.add_argument(
         "--learner-rtt-s",
         type=float,
         default=d.learner_rtt_s,
         help="round trip between a learner and the writer (default %(default)s)",
+    )
+    g.add_argument(
+        "--exchange",
+        choices=("dense", "sparse"),
+        default=d.exchange,
+        help="what learner peers exchange per version: sparse (default): compressed parts in, a compressed "
+        "commit out; dense: float32 gradients in, the parameter update and combined gradient out",
+    )
+    g.add_argument(
+        "--exchange-ratio",
+        type=float,
+        metavar="R",
+        default=None,
+        help="with --exchange sparse: one part's bytes (and the commit's) over the float32 gradient's "
+        f"(default {d.exchange_ratio}: top 32 of each 4096 values, 2-bit codes, as `heterorl bench exchange` "
+        "measured)",
+    )
+    g.add_argument(
+        "--codec-s-per-gb",
+        type=float,
+        metavar="S",
+        default=None,
+        help="with --exchange sparse: seconds to encode and decode one float32 GB of gradient on a learner; "
+        f"a round's path has two such pairs, a member's part and the writer's commit (default "
+        f"{d.codec_s_per_gb}: an estimate for a GPU learner, not measured; on 2 CPU cores `heterorl bench "
+        "exchange` measured about 4.2 s/GB)",
+    )
+    g.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=d.overlap,
+        help="learner peers exchange a version while computing the next update (one exchange in flight), "
+        "as the daemon's [lineage] overlap does (default %(default)s); --no-overlap: compute, then exchange",
     )
     g.add_argument("--announce-s", type=float, default=d.announce_s, help="until samplers find a manifest")
     g.add_argument("--model-bytes", type=float, default=d.model_bytes, help="checkpoint size (1.5B bf16)")
@@ -181,6 +221,8 @@ def _config(args: argparse.Namespace, n: int, learners: int = 1):
     if args.delta_bases is not None and args.delta_ratio is None:
         raise ValueError("--delta-bases needs --delta-ratio")
     ratio = delta_ratio(args.delta_ratio)[0] if args.delta_ratio is not None else None
+    if args.exchange == "dense" and (args.exchange_ratio is not None or args.codec_s_per_gb is not None):
+        raise ValueError("--exchange-ratio and --codec-s-per-gb are the sparse exchange's: not with dense")
     return SimConfig(
         samplers=n,
         hours=args.hours,
@@ -203,6 +245,10 @@ def _config(args: argparse.Namespace, n: int, learners: int = 1):
         learners=learners,
         learner_link_bytes_per_s=args.learner_link_bytes_per_s,
         learner_rtt_s=args.learner_rtt_s,
+        exchange=args.exchange,
+        exchange_ratio=SimConfig.exchange_ratio if args.exchange_ratio is None else args.exchange_ratio,
+        codec_s_per_gb=SimConfig.codec_s_per_gb if args.codec_s_per_gb is None else args.codec_s_per_gb,
+        overlap=args.overlap,
         model_bytes=int(args.model_bytes),
         changed_frac=1.0 if args.changed_frac is None else args.changed_frac,
         delta_ratio=ratio,
@@ -239,28 +285,52 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB" if nbytes else "0"
+
+
 def learners_table(results: list[dict]) -> str:
     """What the learner peers did: one row a run."""
     head = (
-        "| samplers | learners | versions/h | rows trained/s | lineage computing / exchanging / publishing "
-        "/ waiting | learner computing · in round, waiting (mean of learners) | updates per version "
-        "| averaging GB per version (s) | samplers per learner |"
+        "| samplers | learners | versions/h | rows trained/s | exchange | overlap "
+        "| lineage computing / exchanging / publishing / waiting "
+        "| learner computing · in round, waiting (mean of learners) | updates per version "
+        "| through the writer's link per version (s) | samplers per learner |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 11]
     for r in results:
         lr, lt = r["learners"], r["learner"]
         per = lr["per_learner"]
         computing = sum(x["computing"] for x in per) / len(per)
         waiting = sum(x["in_round_waiting"] for x in per) / len(per)
+        mode, overlap = (lr["exchange"], "yes" if lr["overlap"] else "no") if lr["count"] > 1 else ("—", "—")
         lines.append(
             f"| {r['config']['samplers']} | {lr['count']} | {r['updates_per_h']:.0f} "
-            f"| {r['trajectories_per_s']:.0f} "
+            f"| {r['trajectories_per_s']:.0f} | {mode} | {overlap} "
             f"| {lr['rounds']['computing']:.0%} / {lr['rounds']['exchanging']:.0%} / {lt['publishing']:.0%} "
             f"/ {lt['waiting']:.0%} | {computing:.0%} · {waiting:.0%} | {lr['updates_per_version']:.2f} "
-            f"| {lr['exchange_bytes_per_version'] / 1e9:.1f} ({lr['exchange_s_per_version']:.1f}) "
+            f"| {_size(lr['exchange_bytes_per_version'])} ({lr['exchange_s_per_version']:.2f} s) "
             f"| {' · '.join(str(x['samplers']) for x in per)} |"
         )
     return "\n".join(lines)
+
+
+def exchange_line(cfg) -> str:
+    """How learner peers exchange, for the run's header."""
+    g = cfg.gradient_bytes
+    if cfg.exchange == "dense":
+        what = f"dense exchange: float32 gradients of {_size(g)}, no codec time"
+    else:
+        what = (
+            f"sparse exchange: parts and commits of {cfg.exchange_ratio:.4g} × the {_size(g)} float32 "
+            f"gradient ({_size(cfg.part_bytes)}), codec {cfg.codec_s:.2f} s a round ({cfg.codec_s_per_gb:g} "
+            "s/GB)"
+        )
+    when = "during the next update (overlap)" if cfg.overlap else "after the update"
+    return (
+        f"learner peers: {what}; every learner's link {cfg.learner_link_bytes_per_s:g} B/s each way, "
+        f"round trip {cfg.learner_rtt_s:g} s; the exchange runs {when}"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -291,6 +361,8 @@ def run(args: argparse.Namespace) -> int:
         else "fetch between batches, waiting for it"
     )
     print(f"a checkpoint switch fetches {switch}; {rule}")
+    if any(c.learners > 1 for c in configs):
+        print(exchange_line(c0))
     batch_bytes = trajectory_batch_bytes(
         c0.prompts_per_batch, c0.group_size, c0.prompt_tokens, c0.completion_tokens
     )

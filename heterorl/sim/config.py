@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer
 from heterorl.protocol.settings import check_update_fits
@@ -35,8 +36,12 @@ class SimConfig:
     announce_s: float = 2.0  # until a published manifest is found in the DHT
     # learner peers training one lineage (the lowest key writes; see the engine's docstring)
     learners: int = 1
-    learner_link_bytes_per_s: float = 1.25e9  # the writer's link (10 Gbit/s): gradients in, then out
+    learner_link_bytes_per_s: float = 1.25e9  # every learner's own link, each direction (10 Gbit/s)
     learner_rtt_s: float = 0.05  # a round trip between a member and the writer
+    exchange: str = "sparse"  # "dense": float32 gradients; "sparse": compressed parts and commits
+    exchange_ratio: float = 0.0039  # sparse: one part's bytes / the float32 gradient's (bench exchange)
+    codec_s_per_gb: float = 0.05  # sparse: one encode + one decode of a float32 GB (an estimate, GPU)
+    overlap: bool = True  # the exchange of a version runs while the next update is computed (the daemon's)
     # the checkpoint
     model_bytes: int = 3_087_000_000  # 1.54B parameters in bfloat16
     changed_frac: float = 1.0  # chunk model: fraction of chunks one update changes (1: full fine-tuning)
@@ -77,6 +82,12 @@ class SimConfig:
             raise ValueError(f"learners must lie in [1, {MAX_LEARNERS}] (the most keys a RunSpec lists)")
         if not self.learner_link_bytes_per_s > 0 or self.learner_rtt_s < 0:
             raise ValueError("learner_link_bytes_per_s must be > 0 and learner_rtt_s >= 0")
+        if self.exchange not in ("dense", "sparse"):
+            raise ValueError(f'exchange must be "dense" or "sparse", got {self.exchange!r}')
+        if not (math.isfinite(self.exchange_ratio) and 0 < self.exchange_ratio <= 1):
+            raise ValueError(f"exchange_ratio must lie in (0, 1], got {self.exchange_ratio}")
+        if not (math.isfinite(self.codec_s_per_gb) and self.codec_s_per_gb >= 0):
+            raise ValueError(f"codec_s_per_gb must be a number >= 0, got {self.codec_s_per_gb}")
 
     @property
     def update_s(self) -> float:
@@ -89,13 +100,38 @@ class SimConfig:
         """One learner's float32 gradient: 4 bytes a parameter, ``model_bytes`` being a bf16 checkpoint."""
         return 2 * self.model_bytes
 
+    @property
+    def part_bytes(self) -> int:
+        """Sparse exchange: one compressed part (a commit's size too), ``exchange_ratio`` of the gradient."""
+        return round(self.exchange_ratio * self.gradient_bytes)
+
+    @property
+    def codec_s(self) -> float:
+        """Seconds of encoding and decoding on a round's critical path: none dense; sparse, two encode +
+        decode pairs of one gradient (a member's part, then the writer's commit)."""
+        if self.exchange == "dense":
+            return 0.0
+        return 2 * self.codec_s_per_gb * self.gradient_bytes / 1e9
+
     def exchange_bytes(self, members_with_data: int) -> int:
-        """Bytes through the writer's link for one version: a gradient from each member with data, and to
-        every member the commit's two frames, the parameter update and the combined gradient (``3 (N - 1) G``
-        when all have data; 0 with one learner)."""
+        """Bytes through the writer's link for one version (0 with one learner). Dense: a float32 gradient
+        from each member with data, and to every member the commit's two frames of that size, the parameter
+        update and the combined gradient (``3 (N - 1) G`` when all have data). Sparse: a part from each
+        member with data, and the compressed commit (one part's size) to every member (``2 (N - 1) P``)."""
         if self.learners == 1:
             return 0
-        return (members_with_data + 2 * (self.learners - 1)) * self.gradient_bytes
+        if self.exchange == "dense":
+            return (members_with_data + 2 * (self.learners - 1)) * self.gradient_bytes
+        return (members_with_data + self.learners - 1) * self.part_bytes
+
+    def exchange_s(self, members_with_data: int) -> float:
+        """Seconds of a version's exchange after the slowest gradient (0 with one learner): the codec, the
+        bytes through the writer's link (in: every member's upload runs at once, but the writer's downlink
+        takes them all; out: the writer's uplink sends to each member), one round trip."""
+        if self.learners == 1:
+            return 0.0
+        nbytes = self.exchange_bytes(members_with_data)
+        return self.codec_s + nbytes / self.learner_link_bytes_per_s + self.learner_rtt_s
 
 
 @dataclasses.dataclass
@@ -127,12 +163,13 @@ class SimSampler:
 class SimLearner:
     """A learner peer: its own intake (the real bounded buffer) and, inside the measured window, the seconds
     it computed its gradient and the seconds it spent in a round without computing (waiting for slower
-    learners, the exchange through the writer, the round trip)."""
+    learners, the exchange through the writer, the round trip; with overlap, a computed update waiting for
+    the exchange in flight, and an exchange in flight while it computes nothing)."""
 
     def __init__(self, idx: int, buffer_batches: int) -> None:
         self.idx = idx  # 0: the lowest key, the writer
         self.buffer = TrajectoryBuffer(buffer_batches)
-        self.in_update: list[Buffered] = []  # batches taken by the round in progress
+        self.in_update: list[Buffered] = []  # batches of rounds not yet committed (up to two with overlap)
         self.samplers = 0  # samplers whose rendezvous order puts this learner first
         self.parts = 0  # updates of its own that went into versions (inside the window)
         self.time = collections.Counter()  # "computing", "in round" -> seconds (inside the window)

@@ -37,15 +37,33 @@ learner has its own buffer and "busy" replies, and the staleness rule uses the l
 learner holds. A version is one collaborative step: when any learner has a full update, every learner that
 has one takes it (so a version trains on up to ``learners`` updates of ``prompts_per_update`` groups each: N
 learners consume up to N times the data per version, as in the real code, where each learner contributes a
-whole update of its own); each computes its gradient in parallel (``update_s`` with its own jitter); the
-round closes when the slowest of them is done, plus the exchange through the writer's link (a float32
-gradient, ``gradient_bytes`` = 4 bytes a parameter, in from each member with data, and the commit's parameter
-update and combined gradient out to every member: ``3 (N - 1) G`` when all have data, one after the other at
-``learner_link_bytes_per_s``) and one ``learner_rtt_s``. A learner without data takes no part and waits for
-the commit; data that arrives during a round waits for the next one. The writer alone publishes (training
-pauses, as above) and serves checkpoints. Not modelled: encoding, hashing and combining the gradients, the
-members' own links (as fast as the writer's), learners leaving, and a sampler's failover to another learner.
-With one learner there is no exchange and the run is the single learner's above, event for event.
+whole update of its own); each computes its gradient in parallel (``update_s`` with its own jitter) and the
+exchange starts when the slowest of them is done. Every learner has a link of its own,
+``learner_link_bytes_per_s`` each way (full duplex); the writer's is the bottleneck: the members upload at
+once, but the writer's downlink takes every part, and its uplink sends the commit to each of the N - 1
+members. With n members holding an update (the writer aside) and ``G = gradient_bytes`` (float32, 4 bytes a
+parameter), a version's exchange (``SimConfig.exchange_s``) takes:
+
+- ``exchange="dense"``: ``(n + 2 (N - 1)) G / link + rtt``: a float32 gradient in from each member with data,
+  and out to every member the commit's parameter update and combined gradient (``3 (N - 1) G`` when all have
+  data); no codec time.
+- ``exchange="sparse"`` (the default): ``codec_s + n P / link + (N - 1) P / link + rtt`` with ``P =
+  exchange_ratio × G`` (what ``heterorl bench exchange`` measures): a compressed part in from each member with
+  data, and the writer's commit, the combined update compressed again to one part's size, out to every
+  member. ``codec_s = 2 × codec_s_per_gb × G / 1e9``: two encode + decode pairs on the critical path (a
+  member's part, then the writer's commit).
+
+Without ``overlap`` the round closes when its exchange is done and the next one opens then. With ``overlap``
+the exchange runs while the next update is computed: a round's exchange starts when its slowest gradient is
+done and the exchange before it has completed (one in flight), and the learners start the next round at once
+if they have data; a round computed while the exchange before it is still in flight waits for it, and so do
+the learners. The version advances when its exchange completes; rows' staleness is counted then, either way. A
+learner without data takes no part and waits for the commit; data that arrives during a round waits for the
+next one. The writer alone publishes, at the version boundary, and serves checkpoints; training pauses while
+it publishes, as above (with ``overlap``: a round computing stops for ``publish_s``, and no exchange or round
+starts). Not modelled: hashing and combining the parts, links of different speeds, learners leaving, and a
+sampler's failover to another learner. With one learner there is no exchange (the exchange settings and
+``overlap`` do nothing) and the run is the single learner's above, event for event.
 
 Links are modelled per peer: a fetch takes ``rtt + bytes / downlink`` and its bytes (full or delta alike) are
 served by the learner and up to ``providers - 1`` random peers that already hold the whole target version,
@@ -57,6 +75,7 @@ bottleneck.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 import itertools
 import math
@@ -90,6 +109,22 @@ def spread_samplers(samplers: int, learners: int) -> list[int]:
     ]
 
 
+@dataclasses.dataclass
+class _Round:
+    """A round of learner peers in the overlap model: from its learners' computing to its commit."""
+
+    parts: list[tuple[SimLearner, list[Buffered]]]
+    compute: dict[int, float]  # learner index -> seconds of its gradient
+    start: float
+    nbytes: int  # through the writer's link
+    exchange_s: float
+    due: float  # when the slowest gradient is done (later if a publish paused the computing)
+    publish_at: float | None = None  # the writer's publish before its exchange (at most one), if any
+    paused: bool = False  # that publish paused its computing
+    computed: float | None = None
+    handoff: float = 0.0  # when its exchange started
+
+
 class Simulation:
     """``Simulation(cfg, fleet, batch_bytes, chunk_sizes).run(progress)`` -> result dict."""
 
@@ -117,8 +152,13 @@ class Simulation:
         self.step = 0
         self.parts = 0  # learner updates trained (inside the window): one per version with one learner
         self.exchange_bytes = 0  # through the writer's link (inside the window)
-        self.exchange_s = 0.0  # seconds of rounds after their slowest gradient (inside the window)
+        self.exchange_s = 0.0  # seconds of exchanges, from their start to the commit (inside the window)
         self.round_time = collections.Counter()  # "computing", "exchanging": the lineage's rounds
+        # overlap (learner peers only): the round computing or waiting for its exchange; the one exchanging
+        self.pipelined = cfg.overlap and cfg.learners > 1
+        self.computing: _Round | None = None
+        self.exchanging: _Round | None = None
+        self.publishing = False
         self.published = 0  # newest version samplers can find
         self.learner_state, self.learner_since = "waiting", 0.0
         self.learner_time = collections.Counter()
@@ -337,7 +377,9 @@ class Simulation:
         self.counts["batches_accepted"] += win
         body = {"policy_version": b.version, "rows": [{"group": g} for g in range(b.groups)]}
         learner.buffer.put(Buffered(b"", b"", body, self.now))
-        if self.learner_state == "waiting":
+        if self.pipelined:
+            self._open_round()
+        elif self.learner_state == "waiting":
             self._train()
         return "accepted"
 
@@ -362,8 +404,9 @@ class Simulation:
         compute = {ln.idx: self.cfg.update_s * self.rng.lognormvariate(0.0, 0.05) for ln, _ in parts}
         done = computed = self.now + max(compute.values())
         nbytes = self.cfg.exchange_bytes(sum(ln.idx != 0 for ln, _ in parts))  # learner 0 writes
-        if self.cfg.learners > 1:
-            done = computed + nbytes / self.cfg.learner_link_bytes_per_s + self.cfg.learner_rtt_s
+        if self.cfg.learners > 1:  # SimConfig.exchange_s (codec_s is 0.0 dense: today's sum, bit for bit)
+            link = self.cfg.learner_link_bytes_per_s
+            done = computed + self.cfg.codec_s + nbytes / link + self.cfg.learner_rtt_s
         for ln in self.learners:
             d = compute.get(ln.idx, 0.0)
             self._charge(ln.time, "computing", self.now, self.now + d)
@@ -375,9 +418,21 @@ class Simulation:
     def _trained(
         self, parts: list[tuple[SimLearner, list[Buffered]]], nbytes: int, exchange_s: float
     ) -> None:
+        self._commit(parts, nbytes, exchange_s)
+        if self.step % self.cfg.publish_every == 0:
+            self._set_learner("publishing")
+            self.at(self.now + self.cfg.publish_s, self._published, self.step)
+        else:
+            self._train()
+
+    def _commit(self, parts: list[tuple[SimLearner, list[Buffered]]], nbytes: int, exchange_s: float) -> None:
+        """A version is committed: its rows' staleness is counted against the version they trained on."""
         win = self._in_window()
         for ln, batches in parts:
-            ln.in_update = []
+            if self.pipelined:
+                del ln.in_update[: len(batches)]  # the next round's batches, taken since, stay
+            else:
+                ln.in_update = []
             for b in batches:
                 lag = self.step - b.body["policy_version"]
                 if win:
@@ -390,16 +445,104 @@ class Simulation:
         if win:
             self.exchange_bytes += nbytes
             self.exchange_s += exchange_s
-        if self.step % self.cfg.publish_every == 0:
-            self._set_learner("publishing")
-            self.at(self.now + self.cfg.publish_s, self._published, self.step)
-        else:
-            self._train()
 
     def _published(self, version: int) -> None:
         self.holders.setdefault(version, [])
         self.at(self.now + self.cfg.announce_s, self._announced, version)
-        self._train()
+        if self.pipelined:
+            self.publishing = False
+            self._start_exchange()
+            self._open_round()
+        else:
+            self._train()
+
+    # ---- learner peers with overlap: a version's exchange runs while the next update is computed ----
+
+    def _open_round(self) -> None:
+        """Start computing a round if no round is computing or waiting for its exchange, the writer is not
+        publishing, and any learner has a full update."""
+        if self.computing is None and not self.publishing:
+            parts = []
+            for ln in self.learners:
+                batches = ln.buffer.take_groups(self.cfg.prompts_per_update, timeout=0)
+                if batches is not None:
+                    ln.in_update.extend(batches)
+                    parts.append((ln, batches))
+            if parts:
+                compute = {ln.idx: self.cfg.update_s * self.rng.lognormvariate(0.0, 0.05) for ln, _ in parts}
+                members = sum(ln.idx != 0 for ln, _ in parts)  # learner 0 writes
+                nbytes, exchange_s = self.cfg.exchange_bytes(members), self.cfg.exchange_s(members)
+                due = self.now + max(compute.values())
+                self.computing = _Round(parts, compute, self.now, nbytes, exchange_s, due)
+                self.at(due, self._round_computed, self.computing)
+        self._lineage_state()
+
+    def _less_publish(self, rnd: _Round, t0: float, t1: float) -> list[tuple[float, float]]:
+        """``[t0, t1]`` less the writer's publish during the round, if any."""
+        if rnd.publish_at is None:
+            return [(t0, t1)]
+        p0, p1 = rnd.publish_at, rnd.publish_at + self.cfg.publish_s
+        return [(a, b) for a, b in ((t0, min(t1, p0)), (max(t0, p1), t1)) if b > a]
+
+    def _computed_at(self, rnd: _Round, ln: SimLearner) -> float:
+        """When a learner's gradient of the round was done (at the start for one without data)."""
+        done = rnd.start + rnd.compute.get(ln.idx, 0.0)
+        return done + self.cfg.publish_s if rnd.paused and done > rnd.publish_at else done
+
+    def _round_computed(self, rnd: _Round) -> None:
+        if self.now < rnd.due:  # a publish paused the computing: the event at the new time stands
+            return
+        rnd.computed = self.now
+        for ln in self.learners:
+            for t0, t1 in self._less_publish(rnd, rnd.start, self._computed_at(rnd, ln)):
+                self._charge(ln.time, "computing", t0, t1)
+        for t0, t1 in self._less_publish(rnd, rnd.start, self.now):
+            self._charge(self.round_time, "computing", t0, t1)
+        self._start_exchange()
+
+    def _start_exchange(self) -> None:
+        """Hand the computed round to the exchange if none is in flight and the writer is not publishing; the
+        learners go on to the next round at once."""
+        rnd = self.computing
+        if rnd is None or rnd.computed is None or self.exchanging is not None or self.publishing:
+            return
+        for ln in self.learners:  # after its gradient: waiting for the slowest, then for the exchange slot
+            for t0, t1 in self._less_publish(rnd, self._computed_at(rnd, ln), self.now):
+                self._charge(ln.time, "in round", t0, t1)
+        rnd.handoff = self.now
+        self.computing, self.exchanging = None, rnd
+        self._charge(self.round_time, "exchanging", self.now, self.now + rnd.exchange_s)
+        self.at(self.now + rnd.exchange_s, self._exchanged, rnd)
+        self._open_round()
+
+    def _exchanged(self, rnd: _Round) -> None:
+        # the learners waited for this exchange only while no next round was computing (one started at or
+        # after the handoff)
+        until = self.computing.start if self.computing is not None else self.now
+        for ln in self.learners:
+            self._charge(ln.time, "in round", rnd.handoff, until)
+        self.exchanging = None
+        self._commit(rnd.parts, rnd.nbytes, rnd.exchange_s)
+        if self.step % self.cfg.publish_every == 0:
+            self.publishing = True
+            self.at(self.now + self.cfg.publish_s, self._published, self.step)
+            nxt = self.computing
+            if nxt is not None:
+                nxt.publish_at = self.now
+                if nxt.computed is None:  # training pauses while the writer publishes
+                    nxt.paused, nxt.due = True, nxt.due + self.cfg.publish_s
+                    self.at(nxt.due, self._round_computed, nxt)
+            self._lineage_state()
+        else:
+            self._start_exchange()
+            self._open_round()
+
+    def _lineage_state(self) -> None:
+        """The lineage's state with overlap: publishing, else training while a round computes or exchanges."""
+        busy = self.computing is not None or self.exchanging is not None
+        state = "publishing" if self.publishing else "training" if busy else "waiting"
+        if state != self.learner_state:
+            self._set_learner(state)
 
     def _announced(self, version: int) -> None:
         self.published = max(self.published, version)

@@ -45,10 +45,12 @@ def summarise(sim: Simulation, events: int) -> dict:
         "learner_upload_GB_per_h": sim.learner_up / window_h / 1e9,
         "learners": {  # learner peers: "learner" above is the lineage (a round in progress is "training")
             "count": sim.cfg.learners,
+            "exchange": sim.cfg.exchange,  # "dense" or "sparse" (none with one learner)
+            "overlap": sim.cfg.overlap,  # the exchange runs while the next update is computed
             "gradient_bytes": sim.cfg.gradient_bytes,
             "updates_per_version": sim.parts / max(1, versions),
             "exchange_bytes_per_version": sim.exchange_bytes / max(1, versions),  # the writer's, in + out
-            "exchange_s_per_version": sim.exchange_s / max(1, versions),  # after the slowest gradient
+            "exchange_s_per_version": sim.exchange_s / max(1, versions),  # from its start to the commit
             "rounds": {k: sim.round_time[k] / window_s for k in ("computing", "exchanging")},
             "per_learner": [
                 {

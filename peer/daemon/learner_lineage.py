@@ -36,6 +36,8 @@ lineage's invariants from these files.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import logging
@@ -79,6 +81,27 @@ TRAINED_KEPT = MAX_TRAINED_IDS  # the lineage table's window: what a joiner reco
 DROPPED_ELSEWHERE = "trained by another learner of the lineage"
 CHAOS_ENV = "HETERORL_CHAOS"  # a fault campaign's hooks (heterorl bench chaos): commit frames lost or delayed
 CHAOS_FILE = "chaos-fault"
+
+
+@dataclasses.dataclass
+class _Part:
+    """A member's part of a step: its batches, the frame (None: no batches), the frame's SHA-256, a sparse
+    part's undo (step − sent), its lr scale and the objective's stats."""
+
+    batches: list
+    data: bytes | None
+    sha: bytes | None
+    undo: torch.Tensor | None
+    lr_scale: float
+    stats: dict
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A part sent, and the future of the writer's answer to it (a :class:`Reply`)."""
+
+    part: _Part
+    future: concurrent.futures.Future
 
 
 class WeightsDisagree(RuntimeError):
@@ -150,6 +173,9 @@ class LineageRole:
         self.dropped_trained = self.replayed = self.lost = self.abandoned_parts = 0
         self.link_bytes = [0, 0]  # sent, received over links to writers closed since
         self.round_s = 0.0
+        self.wait_s = 0.0  # a member's seconds waiting for the writer's answers
+        self._inflight: _InFlight | None = None  # a member's part sent, its answer not heard yet
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lineage-part")
         self._lock = threading.Lock()
 
     # ---- what others see ----
@@ -224,6 +250,7 @@ class LineageRole:
         """Join the live writer, or write: loop on :func:`elect` until one of them is done (``first``: at
         start, look at the swarm for :data:`ELECT_AFTER_S` before deciding anything)."""
         l = self.l
+        self._drop_inflight()
         self._drop_link()
         self.view.fast.set()
         started = told = time.monotonic()
@@ -514,14 +541,13 @@ class LineageRole:
 
     def _sparse_part(self, grads: dict, lr_scale: float) -> tuple[bytes, bytes, torch.Tensor]:
         """A member's sparse part: its own AdamW step on ``grads``, plus what its earlier parts left out,
-        compressed. Returns the frame, its SHA-256 and the residual before (restored when the commit comes
-        without the part: its batches train again, and the step with them)."""
+        compressed. Returns the frame, its SHA-256 and its undo (step − sent: taken back out of the residual
+        when no commit takes the part, whose batches then train again, and the step with them)."""
         if self.sent_feedback is None:
             self.sent_feedback = ErrorFeedback(self.numel, self.exchange.k)
-        before = self.sent_feedback.residual.clone()
         step = flatten(self.trainer.local_update(grads, lr_scale), self.schema)
-        frame = self.sent_feedback.step(step).frame()
-        return frame, hashlib.sha256(frame).digest(), before
+        sent = self.sent_feedback.step(step)
+        return sent.frame(), hashlib.sha256(sent.frame()).digest(), step.sub_(sent.dense)
 
     def _abandon_round(self, why: str) -> None:
         """The step's sum cannot be committed: members waiting hear it (their streams close: they rejoin)."""
@@ -540,7 +566,9 @@ class LineageRole:
             self.l.buffer.put(b)
 
     def _member_step(self, got: Assembled | None) -> None:
-        l, s = self.l, self.s
+        """Compute this learner's part on the weights it holds, then hear the writer's answer to the part in
+        flight (with ``[lineage] overlap``: the one sent last step, so the exchange ran while this part was
+        computed, and the part is one version stale when it joins a step), and send this one."""
         link = self.link
         if link is None:
             raise WriterGone("no writer")
@@ -552,37 +580,67 @@ class LineageRole:
             raise WriterGone(f"a writer in term {higher[0].term} fences this one's ({link.term})")
         t = time.perf_counter()
         batches, grads, stats = self._own_part(got)
-        data = sha = before = None
+        lr_scale = min(1.0, float(stats.get(LR_SCALE_KEY, 1.0)))
+        data = sha = undo = None
         if batches and self.exchange.sparse:
-            data, sha, before = self._sparse_part(grads, min(1.0, float(stats.get(LR_SCALE_KEY, 1.0))))
+            data, sha, undo = self._sparse_part(grads, lr_scale)
         elif batches:
             data, sha = encode_gradient(grads)
+        del grads
+        self.l.stats.train_s += time.perf_counter() - t
+        part = _Part(batches, data, sha, undo, lr_scale, stats)
+        if not self.s.lineage.overlap:
+            self._hear(self._send(link, part))
+            return
+        previous, self._inflight = self._inflight, None
+        if previous is not None:
+            try:
+                self._hear(previous)
+            except BaseException:
+                self._withdraw(part)
+                raise
+        self._inflight = self._send(link, part)
+
+    def _send(self, link: LineageLink, part: _Part) -> _InFlight:
+        """``part`` for the lineage's next step (the version this learner holds now), sent off this thread."""
+        s = self.s
         body = {
             "run_id": s.run_id,
             "term": link.term,
             "version": self.trainer.version,
-            "batches": [{"batch_id": b.batch_id, "sha256": b.sha256, "tokens": b.tokens} for b in batches],
-            "lr_scale": min(1.0, float(stats.get(LR_SCALE_KEY, 1.0))),
-            "grad_sha256": sha or b"",
+            "batches": [
+                {"batch_id": b.batch_id, "sha256": b.sha256, "tokens": b.tokens} for b in part.batches
+            ],
+            "lr_scale": part.lr_scale,
+            "grad_sha256": part.sha or b"",
         }
+        message = encode("Contribution", body, self.l.identity)
+        return _InFlight(part, self._sender.submit(link.exchange, message, part.data))
+
+    def _hear(self, inflight: _InFlight) -> None:
+        """Wait for the writer's answer to ``inflight`` and take it: a commit is applied (checked against the
+        state it names), a LineageWait leaves the part's batches to a later step (or drops those refused)."""
+        l, s, part = self.l, self.s, inflight.part
+        batches, undo = part.batches, part.undo
         l.status.state = f"waiting for the writer (step {self.trainer.version + 1})"
+        waited = time.perf_counter()
         try:
-            reply = link.exchange(encode("Contribution", body, l.identity), data)
+            reply = inflight.future.result()
         except BaseException:
-            self._return_batches(batches)  # not in any commit this learner heard of: the next step takes them
-            self._unsent(before)
+            self._withdraw(part)  # not in any commit this learner heard of: the next step takes them
             raise
+        finally:
+            self.wait_s += time.perf_counter() - waited
+        t = time.perf_counter()
         for raw in reply.body["manifests"]:
             self._adopt(raw)
         if reply.kind == "LineageWait":
-            refused = reply.body.get("refused")
-            self._refused(batches, refused)
-            self._unsent(before)
+            self._refused(batches, reply.body.get("refused"))
+            self._unsent(undo)
             return
         c = reply.body
         if c["parent_version"] != self.trainer.version or c["parent_state"] != self.state:
-            self._return_batches(batches)
-            self._unsent(before)
+            self._withdraw(part)
             self.adopter.mismatched += c["parent_state"] != self.state
             raise WeightsDisagree(
                 f"the writer's commit {c['version']} is on version {c['parent_version']}, this learner holds "
@@ -593,7 +651,7 @@ class LineageRole:
         mine = {bytes(b["batch_id"]) for a in c["applied"] if a["learner"] == self.key for b in a["batches"]}
         used = [b for b in batches if b.batch_id in mine]
         if not used:
-            self._unsent(before)  # the commit came without this learner's part
+            self._unsent(undo)  # the commit came without this learner's part
         l.ledger.mark_applied([b.batch_id for b in used], c["version"])  # the lineage holds them now
         dropped = set(self._trained(trained, c["version"]))  # resent to another learner, trained there
         self.trainer.apply_update(reply.update, reply.gradient, c["version"])
@@ -608,12 +666,23 @@ class LineageRole:
             )
         l.stats.train_s += time.perf_counter() - t
         l.save_if_due()
-        self._record(c["version"], used, stats if used else {}, len(c["applied"]))
+        self._record(c["version"], used, part.stats if used else {}, len(c["applied"]))
 
-    def _unsent(self, before: torch.Tensor | None) -> None:
-        """A sparse part that no commit took: the residual as it was before it (None: nothing to undo)."""
-        if before is not None and self.sent_feedback is not None:
-            self.sent_feedback.residual = before
+    def _withdraw(self, part: _Part) -> None:
+        """A part no commit this learner heard of took: its batches wait for a later step."""
+        self._return_batches(part.batches)
+        self._unsent(part.undo)
+
+    def _drop_inflight(self) -> None:
+        """Leave the part in flight unheard (the link is closing, or this learner writes now): withdrawn."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            self._withdraw(inflight.part)
+
+    def _unsent(self, undo: torch.Tensor | None) -> None:
+        """A sparse part that no commit took: its step leaves the residual (None: nothing to undo)."""
+        if undo is not None and self.sent_feedback is not None:
+            self.sent_feedback.residual.sub_(undo)
 
     def _refused(self, batches, refused: dict | None) -> None:
         """The writer left this learner's part out for good (its reason): those batches are dropped, never
@@ -771,6 +840,7 @@ class LineageRole:
             "lineage/replayed_from_abandoned": self.replayed,
             "lineage/lost_pruned": self.lost,
             "lineage/parts_dropped": self.abandoned_parts,
+            "lineage/member_wait_s": round(self.wait_s, 3),
             **self.writer.stats(),
         }
         now = (self.link.bytes_sent, self.link.bytes_received) if self.link is not None else (0, 0)
@@ -780,7 +850,9 @@ class LineageRole:
         return out
 
     def close(self) -> None:
+        self._drop_inflight()
         self._drop_link()
+        self._sender.shutdown(wait=False, cancel_futures=True)
 
 
 def _rows(data: bytes, run_id: str) -> list[dict]:

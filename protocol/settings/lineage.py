@@ -6,6 +6,7 @@ not sent yet (error feedback), at 2 bits a value; the writer combines the parts 
 ``k`` of the combination (with its own error feedback): 0.39 % of dense float32 bytes each way at ``k`` = 32.
 ``dense``: float32 gradients in, the parameter update and the combined gradient out (exact; for learners on a
 datacenter's fabric). Either way every learner adds the same committed bytes: replicas stay bit-identical.
+With ``overlap`` a member computes its next part while the exchange of its last one runs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ class LineageSettings:
         "links) | dense (float32 gradients in, the update and combined gradient out: exact, for a fabric)",
     )
     k: int = setting(32, "sparse: values sent per 4096 (a multiple of 4, 4 to 256): 32 is 0.39 % of dense")
+    overlap: bool = setting(
+        True,
+        "a member sends its part and computes its next one while the exchange runs (the part joins the "
+        "next step: one more version of staleness); false: it waits for each commit before computing on",
+    )
     update_clip: float = setting(
         8.0,
         "sparse: the writer clips each part to this × lr × √(parameters) (a step moving every weight by lr "
