@@ -266,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
             "honest engines and dtypes (hf, vLLM; float32, bfloat16) against the spot checks' thresholds",
         ),
         (
+            "lineage-links",
+            "lineage_links",
+            "learner peers on tc-shaped links (netns): 1 learner vs 2 dense vs 2 sparse, versions/s, rows/s, "
+            "weights agree",
+        ),
+        (
             "exchange",
             "exchange",
             "learner peers' compressed contribution on real RL gradients (tiny, SmolLM2): bytes vs dense "
