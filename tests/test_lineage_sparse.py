@@ -111,3 +111,28 @@ def test_the_sparse_exchange_refuses_frames_of_another_size_hash_or_range():
 def test_lineage_settings_refuse_what_the_exchange_cannot_do(field, value, match):
     with pytest.raises(ValueError, match=match):
         LineageSettings(**{field: value})
+
+
+@pytest.mark.parametrize("exchange", ["sparse", "dense"])
+def test_a_local_lineage_combines_each_learners_part_and_overlaps_the_members(exchange):
+    """peer/train/lineage_local.py (the quality bench's two learners in one process): with overlap, the
+    member's part joins the step after the one it was computed in; every step moves the weights."""
+    from heterorl.peer.learner.update import StepOptions
+    from heterorl.peer.train.lineage_local import LocalLineage
+
+    settings = LineageSettings(exchange=exchange)
+    opts = options(lr=LR)
+    writer = Trainer(model(), opts, pad_id=0)
+    lineage = LocalLineage(writer, 2, settings, opts)
+    assert isinstance(opts, StepOptions)
+    parts, before = [], flatten(dict(writer.named_trainable()), lineage.schema).clone()
+    for step in range(3):
+        rows = [rows_from_batches(buffered(2, version=step), pad_id=0) for _ in range(2)]
+        stats = lineage.step(rows)
+        parts.append(stats["lineage/parts"])
+        after = flatten(dict(writer.named_trainable()), lineage.schema).clone()
+        assert not torch.equal(after, before), step
+        before = after
+    assert parts == [1, 2, 2] and writer.version == 3
+    with pytest.raises(ValueError, match="parts for 2 learners"):
+        lineage.step([rows[0]])

@@ -50,6 +50,8 @@ QUICK_VARIANTS = ("gepo", "m2po", "cispo")
 QUICK = {"delays": [0, 256], "seeds": [0, 1], "eval_every": 40}
 FINAL_EVALS = 5  # final_eval: mean of this many last evaluations (heterorl.peer.train.one_process)
 LAST_REWARDS = 20  # the lagging rollout reward: mean of the last this many updates
+# learner peers of one lineage in one process (peer/train/lineage_local.py): name -> (learners, exchange)
+LINEAGES = {"1": (1, "dense"), "2-dense": (2, "dense"), "2-sparse": (2, "sparse")}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -98,6 +100,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the run default (6)")
     ap.add_argument("--eval-samples", type=int, default=4, help="draws per prompt where eval is not exact")
     ap.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts scored at most")
+    ap.add_argument(
+        "--lineage",
+        nargs="+",
+        choices=list(LINEAGES),
+        default=None,
+        help="run each objective as these learner setups too (label@SETUP): 1 learner, or 2 learner peers "
+        "with the dense or sparse exchange ([lineage] overlap on), at equal rows consumed (2 learners: "
+        "half the versions, each of two updates; evaluations at the same rows)",
+    )
     ap.add_argument("--out", default="runs/bench-staleness")
 
 
@@ -117,7 +128,8 @@ def _fingerprint(job: dict) -> dict:
     params.update({k: repr(v) for k, v in job["params"].items()})
     keys = ("loss", "delay", "seed", "steps", "prompts", "group_size", "lr", "eval_every", "model")
     keys += ("task_params", "max_new_tokens", "eval_samples", "eval_prompts")
-    return {**{k: job[k] for k in keys}, "params": params}
+    lineage = {"lineage": [job["learners"], job["exchange"]]} if job.get("exchange") else {}
+    return {**{k: job[k] for k in keys}, "params": params, **lineage}
 
 
 def _one(job: dict) -> dict:
@@ -149,9 +161,14 @@ def _one(job: dict) -> dict:
             "learner.eval_prompts": job["eval_prompts"],
             **({"task.params": job["task_params"]} if job["task_params"] is not None else {}),
             **({"sampling.max_new_tokens": job["max_new_tokens"]} if job["max_new_tokens"] else {}),
+            **({"lineage.exchange": job["exchange"]} if job.get("exchange") else {}),
         }
         cfg = OneProcessConfig(
-            from_overrides(Run, run), steps=job["steps"], delay=job["delay"], seed=job["seed"]
+            from_overrides(Run, run),
+            steps=job["steps"],
+            delay=job["delay"],
+            seed=job["seed"],
+            learners=job.get("learners") or 1,
         )
         summary = run_one_process(cfg, d, progress=False, save_checkpoint=False)
         stamp.write_text(json.dumps(_fingerprint(job)))
@@ -339,20 +356,23 @@ def run_from_args(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = str(ensure_model(args.model or TINY_MODEL_DIR, 0))
+    setups = [(s, *LINEAGES[s]) for s in args.lineage] if args.lineage else [("", 1, None)]
     jobs = [
         {
-            "label": label,
+            "label": f"{label}@{setup}" if setup else label,
             "loss": variants[label][0],
             "params": variants[label][1],
             "delay": delay,
             "seed": seed,
-            "dir": str(_run_dir(out, label, delay, seed)),
+            "dir": str(_run_dir(out, f"{label}@{setup}" if setup else label, delay, seed)),
             "model": model,
-            "steps": args.steps,
+            "steps": args.steps // learners,
             "prompts": args.prompts,
             "group_size": args.group_size,
             "lr": args.lr,
-            "eval_every": args.eval_every,
+            "eval_every": max(1, args.eval_every // learners),
+            "learners": learners,
+            "exchange": exchange,
             "eval_samples": args.eval_samples,
             "eval_prompts": args.eval_prompts,
             "task_params": task_params,
@@ -361,6 +381,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         for seed in args.seeds
         for delay in sorted(args.delays, reverse=True)  # the long-delay runs first: the slowest to snapshot
         for label in labels
+        for setup, learners, exchange in setups
     ]
     workers = max(1, min(args.workers or os.cpu_count() or 1, len(jobs)))
     print(

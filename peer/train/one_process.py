@@ -27,6 +27,7 @@ from ..model.prompts import PromptFormat
 from ..rollout import SamplingParams, make_backend
 from ..tasks import named_reward
 from ..tasks.sandbox import TaskSpec, sandboxed_task
+from .lineage_local import LocalLineage
 from .policy_lag import PolicyLag
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class OneProcessConfig:
     backend: str = "hf"  # rollout engine: hf | vllm
     engine_dtype: str = "float32"  # the rollout engine's dtype (the learner trains a float32 master)
     device: str = "cpu"  # where the policy trains and the hf backend generates: cpu or cuda (vLLM: its own)
+    learners: int = 1  # > 1: learner peers of one lineage, each on its own rows, as run.lineage says
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -56,6 +58,8 @@ class OneProcessConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.backend not in ("hf", "vllm"):
             raise ValueError(f"backend must be hf or vllm, got {self.backend!r}")
+        if self.learners < 1 or (self.learners > 1 and self.run.adapter is not None):
+            raise ValueError(f"learners must be >= 1 (and 1 in an adapter run), got {self.learners}")
         if self.run.adapter is not None and self.backend != "hf":
             raise ValueError("adapter runs in the local loop use the hf backend (the swarm's samplers: any)")
 
@@ -111,6 +115,9 @@ def run_one_process(
         policy, StepOptions.from_settings(run), tok.pad_token_id, adapter=run.adapter is not None
     )
     trainable = [p for p in policy.parameters() if p.requires_grad]
+    lineage = None
+    if cfg.learners > 1:  # each version: every learner's update of its own rows, combined as the swarm does
+        lineage = LocalLineage(trainer, cfg.learners, run.lineage, StepOptions.from_settings(run))
 
     every = run.learner.eval_every
     if every and cfg.steps < every:  # a run shorter than one evaluation period (a smoke run): no evaluations,
@@ -148,25 +155,30 @@ def run_one_process(
                 if version != engine_version:
                     backend.load_weights(state)
                     engine_version = version
-            examples = [task.sample(rng) for _ in range(prompts)]
-            encoded = [prompts_fmt.encode(e.prompt) for e in examples]
-            roll = backend.generate([ids for ids in encoded for _ in range(group)], sampling)
-            rewards = torch.tensor(
-                [
-                    task.reward(e.prompt, roll.texts[i], e.reference)
-                    for i, e in enumerate(e for e in examples for _ in range(group))
-                ]
-            )
-            rows = Rows(
-                prompts=roll.prompt_ids,
-                completions=roll.completion_ids,
-                mask=roll.completion_mask,
-                logq=roll.logprobs,
-                rewards=rewards,
-                group_ids=torch.arange(prompts).repeat_interleave(group),
-                versions=torch.full((rows_per_step,), version),
-            )
-            stats = trainer.step(rows)
+            parts, lengths = [], []
+            for _ in range(cfg.learners):
+                examples = [task.sample(rng) for _ in range(prompts)]
+                encoded = [prompts_fmt.encode(e.prompt) for e in examples]
+                roll = backend.generate([ids for ids in encoded for _ in range(group)], sampling)
+                rewards = torch.tensor(
+                    [
+                        task.reward(e.prompt, roll.texts[i], e.reference)
+                        for i, e in enumerate(e for e in examples for _ in range(group))
+                    ]
+                )
+                parts.append(
+                    Rows(
+                        prompts=roll.prompt_ids,
+                        completions=roll.completion_ids,
+                        mask=roll.completion_mask,
+                        logq=roll.logprobs,
+                        rewards=rewards,
+                        group_ids=torch.arange(prompts).repeat_interleave(group),
+                        versions=torch.full((rows_per_step,), version),
+                    )
+                )
+                lengths.append(roll.lengths.float().mean())
+            stats = trainer.step(parts[0]) if lineage is None else lineage.step(parts)
             lag.step()
             if on_update is not None:
                 on_update(step, policy, stats)
@@ -176,7 +188,7 @@ def run_one_process(
             row = {
                 "step": step,
                 "behaviour_version": version,
-                "completion_len/mean": float(roll.lengths.float().mean()),
+                "completion_len/mean": float(sum(lengths) / len(lengths)),
                 "time_s": time.perf_counter() - t0,
                 **stats,
                 "staleness": lag.version - 1 - version,
