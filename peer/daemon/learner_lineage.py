@@ -175,7 +175,6 @@ class LineageRole:
         self.round_s = 0.0
         self.wait_s = 0.0  # a member's seconds waiting for the writer's answers
         self._inflight: _InFlight | None = None  # a member's part sent, its answer not heard yet
-        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lineage-part")
         self._lock = threading.Lock()
 
     # ---- what others see ----
@@ -615,7 +614,7 @@ class LineageRole:
             "grad_sha256": part.sha or b"",
         }
         message = encode("Contribution", body, self.l.identity)
-        return _InFlight(part, self._sender.submit(link.exchange, message, part.data))
+        return _InFlight(part, link.send(message, part.data))
 
     def _hear(self, inflight: _InFlight) -> None:
         """Wait for the writer's answer to ``inflight`` and take it: a commit is applied (checked against the
@@ -625,7 +624,10 @@ class LineageRole:
         l.status.state = f"waiting for the writer (step {self.trainer.version + 1})"
         waited = time.perf_counter()
         try:
-            reply = inflight.future.result()
+            try:
+                reply = inflight.future.result()
+            except concurrent.futures.CancelledError:  # the node closed under it
+                raise WriterGone("the exchange was cancelled: the node is closing") from None
         except BaseException:
             self._withdraw(part)  # not in any commit this learner heard of: the next step takes them
             raise
@@ -677,6 +679,7 @@ class LineageRole:
         """Leave the part in flight unheard (the link is closing, or this learner writes now): withdrawn."""
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
+            inflight.future.cancel()
             self._withdraw(inflight.part)
 
     def _unsent(self, undo: torch.Tensor | None) -> None:
@@ -852,7 +855,6 @@ class LineageRole:
     def close(self) -> None:
         self._drop_inflight()
         self._drop_link()
-        self._sender.shutdown(wait=False, cancel_futures=True)
 
 
 def _rows(data: bytes, run_id: str) -> list[dict]:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -687,6 +688,10 @@ class LineageLink:
         """Send a signed Contribution (and its gradient frame); the writer's answer (keepalives skipped).
         :class:`WriterGone` when the stream ends or the writer is silent for :data:`WRITER_SILENT_S`."""
         return self.node.call(self._exchange(contribution, gradient))
+
+    def send(self, contribution: bytes, gradient: bytes | None) -> concurrent.futures.Future:
+        """:meth:`exchange` without waiting: the future of the writer's answer (cancel it to give it up)."""
+        return self.node.spawn(self._exchange(contribution, gradient))
 
     async def _exchange(self, contribution: bytes, gradient: bytes | None) -> Reply:
         reader, writer = self._stream
