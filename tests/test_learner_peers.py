@@ -40,7 +40,8 @@ def _refusal(node: Node, identity: Identity, run_id: str, writer, schema) -> str
 
 
 def test_two_learners_train_one_lineage_agree_at_every_version_and_refuse_others(tmp_path, tiny_model_dir):
-    swarm = Swarm(tmp_path / "swarm", tiny_model_dir, learners=2)
+    sparse = '[lineage]\nexchange = "sparse"\n'  # overlapped (the default); tests/test_swarm_netns.py: dense
+    swarm = Swarm(tmp_path / "swarm", tiny_model_dir, learners=2, extra_toml=sparse)
     try:
         swarm.start_coordinator()
         kernels = [[], ["--adamw", "loop"]]  # learner-1 on another AdamW implementation than the fused one

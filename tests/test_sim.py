@@ -270,7 +270,7 @@ def test_the_writer_moves_three_model_sized_frames_per_member_and_version():
 @pytest.mark.fast
 def test_the_sparse_exchange_moves_compressed_parts_and_pays_the_codec():
     for n in (2, 3):
-        sim = _sim(samplers=30, learners=n, warmup_h=0.05, overlap=False)  # sparse (the default), no overlap
+        sim = _sim(samplers=30, learners=n, warmup_h=0.05, overlap=False, exchange="sparse")
         r = sim.run()
         cfg, lr, g = sim.cfg, r["learners"], sim.cfg.gradient_bytes
         assert lr["exchange"] == "sparse" and lr["overlap"] is False
@@ -284,7 +284,7 @@ def test_the_sparse_exchange_moves_compressed_parts_and_pays_the_codec():
         codec = 2 * 0.05 * g / 1e9  # two encode + decode pairs of the gradient
         assert lr["exchange_s_per_version"] == pytest.approx(codec + 2 * (n - 1) * p / 1.25e9 + 0.05)
     # short of data, a member without an update sends nothing but still gets the commit
-    sim = _sim(fleet=(CPU,), samplers=6, learners=3)
+    sim = _sim(fleet=(CPU,), samplers=6, learners=3, exchange="sparse")
     r = sim.run()
     lr, p, versions = r["learners"], sim.cfg.part_bytes, r["counts"]["updates"]
     members = sum(ln.parts for ln in sim.learners[1:])
@@ -292,7 +292,9 @@ def test_the_sparse_exchange_moves_compressed_parts_and_pays_the_codec():
     assert lr["exchange_bytes_per_version"] * versions == (versions * 2 + members) * p
     _books_balance(sim, r)
     # the formulas, member by member: (n + N - 1) parts sparse, (n + 2 (N - 1)) gradients dense
-    sparse = SimConfig(learners=4, exchange_ratio=0.01, codec_s_per_gb=2.0, learner_link_bytes_per_s=1e8)
+    sparse = SimConfig(
+        learners=4, exchange="sparse", exchange_ratio=0.01, codec_s_per_gb=2.0, learner_link_bytes_per_s=1e8
+    )
     dense = dataclasses.replace(sparse, exchange="dense")
     g, p = sparse.gradient_bytes, sparse.part_bytes
     assert p == round(0.01 * g) and sparse.codec_s == pytest.approx(4.0 * g / 1e9) and dense.codec_s == 0
@@ -307,7 +309,7 @@ def test_the_sparse_exchange_moves_compressed_parts_and_pays_the_codec():
 @pytest.mark.fast
 def test_overlap_hides_the_exchange_behind_the_next_update():
     # an exchange about as long as an update: 2.4 s of codec (a 0.1 GB gradient at 12 s/GB, twice) and 2.6 s
-    kw = dict(samplers=30, learners=2, codec_s_per_gb=12.0, publish_every=10)
+    kw = dict(samplers=30, learners=2, codec_s_per_gb=12.0, publish_every=10, exchange="sparse")
     serial_sim, overlap_sim = _sim(overlap=False, **kw), _sim(overlap=True, **kw)
     serial, overlap = serial_sim.run(), overlap_sim.run()
     assert overlap["learners"]["overlap"] is True and serial["learners"]["overlap"] is False
@@ -345,13 +347,14 @@ def test_bad_exchange_settings_are_refused():
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
-    cfg = _config(ap.parse_args(["--exchange-ratio", "0.01", "--codec-s-per-gb", "4.2", "--overlap"]), 10, 2)
+    argv = ["--exchange", "sparse", "--exchange-ratio", "0.01", "--codec-s-per-gb", "4.2", "--overlap"]
+    cfg = _config(ap.parse_args(argv), 10, 2)
     assert (cfg.exchange, cfg.exchange_ratio, cfg.codec_s_per_gb, cfg.overlap) == ("sparse", 0.01, 4.2, True)
-    assert _config(ap.parse_args(["--exchange", "dense"]), 10, 2).exchange == "dense"
+    assert _config(ap.parse_args([]), 10, 2).exchange == "dense"  # the run's default
     assert _config(ap.parse_args([]), 10, 2).overlap is True  # the daemon's default
     assert _config(ap.parse_args(["--no-overlap"]), 10, 2).overlap is False
     with pytest.raises(ValueError, match=r"exchange_ratio must lie in \(0, 1\]"):
-        _config(ap.parse_args(["--exchange-ratio", "0"]), 10, 2)
+        _config(ap.parse_args(["--exchange", "sparse", "--exchange-ratio", "0"]), 10, 2)
     with pytest.raises(ValueError, match="not with dense"):
         _config(ap.parse_args(["--exchange", "dense", "--codec-s-per-gb", "1"]), 10, 2)
     with pytest.raises(SystemExit):
@@ -361,7 +364,18 @@ def test_bad_exchange_settings_are_refused():
 def test_cli_learners_table(tmp_path):
     out = tmp_path / "sim.json"
     cmd = [sys.executable, "-m", "heterorl.cli", "simulate", "--samplers", "12", "--learners", "1", "2"]
-    cmd += ["--hours", "0.1", "--warmup-h", "0.02", "--model-bytes", "1e8", "--json", str(out)]
+    cmd += [
+        "--hours",
+        "0.1",
+        "--warmup-h",
+        "0.02",
+        "--model-bytes",
+        "1e8",
+        "--exchange",
+        "sparse",
+        "--json",
+        str(out),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| samplers | learners | versions/h | rows trained/s | exchange | overlap |" in done.stdout

@@ -3,8 +3,8 @@ namespace.
 
 They reach each other only through their 10.X.0.N addresses on a bridge the test makes (no loopback between
 them). The learners train one lineage across hosts, with the dense exchange and no overlap, and agree at every
-version; each sampler sticks to its own learner. One sampler's link is cut for a while and restored: it must rejoin and its queued batches must
-arrive.
+version; each sampler sticks to its own learner. One sampler's link is cut for a while and restored: it must
+rejoin and its queued batches must arrive.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _netns_support():
 
 def test_swarm_across_namespaces_survives_a_cut_link(tmp_path, tiny_model_dir):
     with netns.Lan(["coord", "learner", "learner2", "s0", "s1"]) as lan:
-        # the dense, unoverlapped exchange (test_learner_peers runs the defaults: sparse, overlapped)
+        # the dense exchange (the default), not overlapped (test_learner_peers: sparse, overlapped)
         dense = '[lineage]\nexchange = "dense"\noverlap = false\n'
         swarm = Swarm(tmp_path / "swarm", tiny_model_dir, learners=2, extra_toml=dense)
         try:

@@ -15,12 +15,12 @@ full checkpoint every time.
 --learners N (several values: one run each) trains one lineage on N learner peers: samplers spread over them
 by rendezvous hashing, each version a step to which every learner with a full update contributes one. Every
 learner has a link of its own (--learner-link-bytes-per-s, each way); the writer's carries the exchange. With
---exchange sparse (the default) each member with data sends a compressed part (--exchange-ratio of its
+--exchange sparse each member with data sends a compressed part (--exchange-ratio of its
 float32 gradient, what `heterorl bench exchange` measures) and the writer sends every member its commit,
 compressed again to one part's size; two encode + decode pairs (--codec-s-per-gb) sit on the round's path.
-With --exchange dense the float32 gradients go in, and the commit's parameter update and combined gradient
-out. A version's exchange runs while the next update is computed (--no-overlap: after it), as the
-daemon's [lineage] overlap does.
+With --exchange dense (the default, as the run's) the float32 gradients go in, and the commit's parameter
+update and combined gradient out. A version's exchange runs while the next update is computed (--no-overlap:
+after it), as the daemon's [lineage] overlap does.
 
 example:
   heterorl simulate --samplers 100 1000 3000 --hours 2
@@ -155,8 +155,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--exchange",
         choices=("dense", "sparse"),
         default=d.exchange,
-        help="what learner peers exchange per version: sparse (default): compressed parts in, a compressed "
-        "commit out; dense: float32 gradients in, the parameter update and combined gradient out",
+        help="what learner peers exchange per version, as [lineage] exchange: dense (default): float32 "
+        "gradients in, the parameter update and combined gradient out; sparse: compressed parts in, a "
+        "compressed commit out",
     )
     g.add_argument(
         "--exchange-ratio",
