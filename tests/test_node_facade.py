@@ -285,3 +285,19 @@ def test_a_download_waits_for_its_last_workers_without_spinning(monkeypatch):
     monkeypatch.setattr(asyncio, "wait", counting_wait)
     asyncio.run(SlowWorker(fetch, body, list(range(4))).run())
     assert waits < 60, f"{waits} wakeups in one second: the download loop spins"
+
+
+def test_the_loop_logs_a_stream_its_peer_closed_early_as_debug_and_anything_else_as_an_error(caplog):
+    """hivemind's control handler reading a stream whose remote peer left before its header (an incomplete
+    read) is no error; any other failure on the loop still goes to asyncio's default handler (a traceback)."""
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level("DEBUG"):
+            for benign in (asyncio.IncompleteReadError(b"", 1), ConnectionResetError(), BrokenPipeError()):
+                Node._on_loop_exception(None, loop, {"message": "client_connected_cb", "exception": benign})
+            Node._on_loop_exception(None, loop, {"message": "boom", "exception": ValueError("boom")})
+    finally:
+        loop.close()
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "boom" in errors[0].getMessage(), [r.getMessage() for r in caplog.records]
+    assert sum(r.levelname == "DEBUG" and "client_connected_cb" in r.getMessage() for r in caplog.records) == 3

@@ -93,8 +93,11 @@ class Node:
         self._visible: tuple[str, ...] = ()  # the daemon's visible multiaddrs (with /p2p/<our id>), cached
 
     def _on_loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        """hivemind's daemon-control tasks fail with a reset connection as the daemon stops: no error."""
-        if isinstance(context.get("exception"), (ConnectionResetError, BrokenPipeError)):
+        """hivemind's daemon-control tasks fail with a reset connection as the daemon stops, or with an
+        incomplete read when the daemon hands over a stream that its remote peer closed before the stream's
+        header came (a peer that left mid-connect): no error either way."""
+        benign = (ConnectionResetError, BrokenPipeError, asyncio.IncompleteReadError)
+        if isinstance(context.get("exception"), benign):
             log.debug("network loop: %s (%s)", context.get("message"), context.get("exception"))
             return
         loop.default_exception_handler(context)
