@@ -12,6 +12,10 @@ own optimiser moments take, so that any of them can write next). The writer alon
 carries the manifests it signed since the last one, and each member checks that its own weights serialise to
 exactly those chunks.
 
+With ``[lineage] exchange = "sparse"`` (:class:`Exchange`) a part is a compressed frame of the member's own
+AdamW step instead of a float32 gradient, and a Commit carries one compressed frame (the writer's combination,
+compressed again) and an empty second frame; every member adds the same decoded values, so the same holds.
+
 Why not hivemind's averager: its groups are not authenticated (any peer with the group key joins), its DHT
 records are unsigned (our validator refuses them), and each peer adds (average - own) to its own copy, which
 leaves replicas an ulp apart. What is ours here is a star gather and broadcast on hivemind's P2P streams.
