@@ -14,7 +14,7 @@ from test_lineage_math import _adamw, model
 from test_trainer import buffered, options
 
 from heterorl.peer.learner.combine import Accumulator, state_sha256
-from heterorl.peer.learner.compress import ErrorFeedback, flatten
+from heterorl.peer.learner.compress import ErrorFeedback, flatten, unflatten
 from heterorl.peer.learner.rows import rows_from_batches
 from heterorl.peer.learner.trainer import Trainer
 from heterorl.protocol import ProtocolError
@@ -45,10 +45,37 @@ def test_local_update_is_the_adamw_step_and_leaves_the_weights_exactly():
     assert all(float(s["step"]) == 1 for s in me.optimizer.state.values())
 
 
+def test_a_gradient_at_an_offset_is_the_shifted_weights_gradient_and_leaves_the_weights_exactly():
+    """Trainer.gradients(rows, offset): the gradient (and stats) of a copy whose weights are moved by
+    ``offset``, the trainer's own weights restored bit for bit; an offset of zeros changes nothing."""
+    me = Trainer(model(), options(lr=LR), pad_id=0)
+    rows = rows_from_batches(buffered(2), pad_id=0)
+    before = {n: p.detach().clone() for n, p in me.named_trainable()}
+    offset = {n: torch.randn_like(p) * 0.05 for n, p in before.items()}
+    shifted = Trainer(model(), options(lr=LR), pad_id=0)
+    with torch.no_grad():
+        for n, p in shifted.named_trainable():
+            p.add_(offset[n])
+    got, stats = me.gradients(rows, offset)
+    want, want_stats = shifted.gradients(rows)
+    plain, _ = me.gradients(rows)
+    for n, p in me.named_trainable():
+        assert torch.equal(p, before[n]), n
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-7, msg=n)
+    assert stats.keys() == want_stats.keys()
+    for key, value in want_stats.items():
+        if not key.startswith(("time/", "mem/")):
+                assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    assert any(not torch.allclose(got[n], plain[n]) for n in got), "the offset changed no gradient"
+    zeros, _ = me.gradients(rows, {n: torch.zeros_like(p) for n, p in before.items()})
+    assert all(torch.equal(zeros[n], plain[n]) for n in plain)
+
+
 def test_two_learners_on_other_kernels_agree_bit_for_bit_at_every_version_of_a_sparse_exchange():
     """30 versions: the writer (fused AdamW, 1 thread) and a member (the per-tensor loop, 2 threads) each
-    take their own batches; only compressed frames cross (the member's part, the writer's commit) and both
-    hash the same after every commit. An honest part stays well inside the default clip, every frame is
+    take their own batches, each gradient taken at its weights plus what it has not sent (as the daemon does);
+    only compressed frames cross (the member's part, the writer's commit) and both hash the same after every
+    commit. An honest part stays well inside the default clip, every frame is
     0.39 % of the dense gradient's bytes, and the weights moved (the commits carry the steps)."""
     before = torch.get_num_threads()
     w = Trainer(model(), options(lr=LR), pad_id=0, optimizer=_adamw("fused"))
@@ -63,7 +90,8 @@ def test_two_learners_on_other_kernels_agree_bit_for_bit_at_every_version_of_a_s
     try:
         for step in range(30):
             torch.set_num_threads(2)
-            g, _ = m.gradients(rows_from_batches(buffered(3, version=step), pad_id=0))
+            held = unflatten(sent.residual * 0.5, schema)  # the member's offset: its residual × its share
+            g, _ = m.gradients(rows_from_batches(buffered(3, version=step), pad_id=0), held)
             part = sent.step(flatten(m.local_update(g), schema)).frame()
             assert len(part) == exchange.cap == frame_size(numel, k)
             torch.set_num_threads(1)
@@ -71,7 +99,8 @@ def test_two_learners_on_other_kernels_agree_bit_for_bit_at_every_version_of_a_s
             theirs = exchange.decode(part, hashlib.sha256(part).digest())
             ratios.append(float(flatten(theirs, schema).norm()) / (LR * numel**0.5))
             acc.add(8, theirs)
-            g, _ = w.gradients(rows_from_batches(buffered(2, version=step), pad_id=0))
+            held = unflatten(committed.residual, schema)  # the writer's: its commits' residual
+            g, _ = w.gradients(rows_from_batches(buffered(2, version=step), pad_id=0), held)
             acc.add(8, w.local_update(g))
             combined, _, _ = acc.result()
             frame = committed.step(flatten(combined, schema)).frame()

@@ -64,7 +64,7 @@ from heterorl.protocol.wire.sparse_gradient import decode_part, flat_size
 
 from ..learner.assembler import Assembled
 from ..learner.combine import Accumulator, part_refusal, state_sha256
-from ..learner.compress import ErrorFeedback, flatten
+from ..learner.compress import ErrorFeedback, flatten, unflatten
 from ..learner.election import FRESH_S, Decision, Lease, Me, elect, lead
 from ..learner.trainer import LR_SCALE_KEY, LineageTrainer
 from .adopter import Adopter
@@ -136,8 +136,11 @@ class LineageRole:
             lx.update_clip * s.objective.lr * self.numel**0.5 if self.exchange.sparse else s.learner.grad_clip
         )
         self.sent_feedback: ErrorFeedback | None = None  # sparse: what this learner's parts have not sent yet
-        self.commit_feedback: ErrorFeedback | None = None  # sparse: what its commits (as writer) have not
+        self.commit_feedback: ErrorFeedback | None = None  # sparse: what its commits (as writer) held back
         self.acc = Accumulator(self.part_clip)
+        # sparse: a member's share of the commits that took its parts (its tokens over theirs): its residual,
+        # scaled by it, is where its unsent steps will put the lineage
+        self.share = 1.0 / len(s.learner_keys)
         self.writer = LineageWriter(
             learner.identity,
             s.run_id,
@@ -422,13 +425,27 @@ class LineageRole:
             return [], None, {}
         rows = got.rows if len(batches) == len(got.batches) else l.assembler.rows(batches)
         l.status.state = f"computing a gradient (step {self.trainer.version + 1})"
-        grads, stats = self.trainer.gradients(rows)
+        grads, stats = self.trainer.gradients(rows, self._unsent_offset())
         if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
             log.error("lineage: this learner's own gradient is not finite; its %d batches wait", len(batches))
             for b in batches:
                 l.buffer.put(b)
             return [], None, {}
         return batches, grads, stats
+
+    def _unsent_offset(self) -> dict[str, torch.Tensor] | None:
+        """Sparse exchange: what this learner's steps have not yet put into the lineage's weights, where its
+        next gradient is taken (:meth:`~..learner.trainer.Trainer.gradients`' ``offset``): a writer's commits'
+        residual, or a member's parts' residual times its share of a commit. Without it each learner's AdamW
+        steps on weights that error feedback holds behind its own steps, and the run learns half as much a
+        row (docs/benchmarks.md). None: dense, or nothing held back yet."""
+        if not self.exchange.sparse:
+            return None
+        if self.is_writer:
+            held = None if self.commit_feedback is None else self.commit_feedback.residual
+        else:
+            held = None if self.sent_feedback is None else self.sent_feedback.residual * self.share
+        return None if held is None else unflatten(held, self.schema)
 
     def _write_step(self, got: Assembled | None) -> None:
         l, s = self.l, self.s
@@ -654,6 +671,8 @@ class LineageRole:
         used = [b for b in batches if b.batch_id in mine]
         if not used:
             self._unsent(undo)  # the commit came without this learner's part
+        else:
+            self.share = min(1.0, sum(b.tokens for b in used) / max(1, int(c["tokens"])))
         l.ledger.mark_applied([b.batch_id for b in used], c["version"])  # the lineage holds them now
         dropped = set(self._trained(trained, c["version"]))  # resent to another learner, trained there
         self.trainer.apply_update(reply.update, reply.gradient, c["version"])

@@ -113,7 +113,9 @@ class LineageTrainer(TrainerLike, Protocol):
 
     def named_trainable(self) -> list[tuple[str, Tensor]]: ...
 
-    def gradients(self, rows: Rows) -> tuple[dict[str, Tensor], dict[str, float]]: ...
+    def gradients(
+        self, rows: Rows, offset: dict[str, Tensor] | None = None
+    ) -> tuple[dict[str, Tensor], dict[str, float]]: ...
 
     def commit_update(self, grads: dict[str, Tensor], lr_scale: float = 1.0) -> dict[str, Tensor]: ...
 
@@ -183,16 +185,38 @@ class Trainer:
 
     # ---- a step in parts: one learner's gradient, and a gradient applied (learner peers) ----
 
-    def gradients(self, rows: Rows) -> tuple[dict[str, Tensor], dict[str, float]]:
+    def gradients(
+        self, rows: Rows, offset: dict[str, Tensor] | None = None
+    ) -> tuple[dict[str, Tensor], dict[str, float]]:
         """The objective's gradient on ``rows`` at the current version, as float32 CPU copies by parameter
-        name (unclipped), and the objective's stats; the model keeps no gradient after."""
-        self.optimizer.zero_grad(set_to_none=True)
-        stats = accumulate_gradients(self.model, rows, self.options, version=self.version, pad_id=self.pad_id)
-        grads = {
-            n: (torch.zeros_like(p) if p.grad is None else p.grad).to("cpu", torch.float32, copy=True)
-            for n, p in self.named_trainable()
-        }
-        self.optimizer.zero_grad(set_to_none=True)
+        name (unclipped), and the objective's stats; the model keeps no gradient after.
+
+        ``offset`` (by name): take the gradient at weights + offset instead, the weights restored bit for bit
+        after. A sparse exchange's learner passes the steps it has not yet sent (its residual, scaled to its
+        share of the combination): its gradient is taken where its own steps have put the lineage once they
+        arrive, not where error feedback holds them back (:mod:`~heterorl.peer.daemon.learner_lineage`)."""
+        named = self.named_trainable()
+        held = None
+        if offset is not None:
+            held = [p.detach().clone() for _, p in named]
+            with torch.no_grad():
+                for n, p in named:
+                    p.add_(offset[n].to(p.device, p.dtype))
+        try:
+            self.optimizer.zero_grad(set_to_none=True)
+            stats = accumulate_gradients(
+                self.model, rows, self.options, version=self.version, pad_id=self.pad_id
+            )
+            grads = {
+                n: (torch.zeros_like(p) if p.grad is None else p.grad).to("cpu", torch.float32, copy=True)
+                for n, p in named
+            }
+            self.optimizer.zero_grad(set_to_none=True)
+        finally:
+            if held is not None:
+                with torch.no_grad():
+                    for (_, p), h in zip(named, held, strict=True):
+                        p.copy_(h)
         return grads, stats
 
     def commit_update(self, grads: dict[str, Tensor], lr_scale: float = 1.0) -> dict[str, Tensor]:

@@ -4,9 +4,11 @@ Each learner takes its own rows; the parts are combined as the lineage's writer 
 (``peer/daemon/learner_lineage.py``): dense, each part's gradient clipped and weighed by its tokens, the
 writer's AdamW step on the sum; sparse, each learner's own AdamW step (its own moments), a member's sent as
 the top-k of its residual + step (error feedback), the writer's whole, the clipped token-weighted sum
-compressed again with the writer's own residual. With ``overlap`` a member's part is computed on the weights
-one version before the step it joins, as in the swarm. One model stands for every replica: in the swarm they
-are bit-identical. What the network does (losses, elections, timing) is not here.
+compressed again with the writer's own residual; each learner's gradient taken at the weights plus what it
+has not sent yet (the writer: its commits' residual; a member: its parts' residual times its share). With
+``overlap`` a member's part is computed on the weights one version before the step it joins, as in the swarm.
+One model stands for every replica: in the swarm they are bit-identical. What the network does (losses,
+elections, timing) is not here.
 """
 
 from __future__ import annotations
@@ -40,12 +42,17 @@ class LocalLineage:
         self.clip = lineage.update_clip * options.lr * numel**0.5 if self.sparse else options.grad_clip
         self.sent = [ErrorFeedback(numel, lineage.k) for _ in self.members] if self.sparse else []
         self.committed = ErrorFeedback(numel, lineage.k) if self.sparse else None
+        self.share = 1.0 / learners  # a member's part's weight in the combination (equal batches)
         self.pending: list[tuple[int, dict, float]] = []  # overlap: members' parts for the next step
 
     def _part(self, i: int, rows: Rows) -> tuple[int, dict, float, dict]:
         """Learner ``i``'s part (0: the writer): its tokens, what it sends (decoded), lr scale, stats."""
         trainer = self.writer if i == 0 else self.members[i - 1]
-        grads, stats = trainer.gradients(rows)
+        offset = None
+        if self.sparse:  # the gradient where this learner's unsent steps put the lineage
+            residual = self.committed.residual if i == 0 else self.sent[i - 1].residual * self.share
+            offset = unflatten(residual, self.schema)
+        grads, stats = trainer.gradients(rows, offset)
         lr_scale = min(1.0, float(stats.get(LR_SCALE_KEY, 1.0)))
         tokens = max(1, int(rows.mask.sum()))
         if self.sparse:
