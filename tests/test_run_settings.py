@@ -55,7 +55,7 @@ NAMED = {
     "objective.advantage": "rloo",
     "learner.checkpoint_dtype": "bfloat16",
     "trust.min_reproduced": 0.9,
-    "lineage.exchange": "sparse",
+    "lineage.exchange": "dense",
     "lineage.k": 64,
 }
 

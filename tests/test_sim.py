@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from heterorl.protocol.settings import LineageSettings
 from heterorl.protocol.wire.checkpoint import CHUNK_BYTES
 from heterorl.sim.config import SimConfig
 from heterorl.sim.engine import Simulation, spread_samplers
@@ -350,7 +351,7 @@ def test_bad_exchange_settings_are_refused():
     argv = ["--exchange", "sparse", "--exchange-ratio", "0.01", "--codec-s-per-gb", "4.2", "--overlap"]
     cfg = _config(ap.parse_args(argv), 10, 2)
     assert (cfg.exchange, cfg.exchange_ratio, cfg.codec_s_per_gb, cfg.overlap) == ("sparse", 0.01, 4.2, True)
-    assert _config(ap.parse_args([]), 10, 2).exchange == "dense"  # the run's default
+    assert _config(ap.parse_args([]), 10, 2).exchange == LineageSettings().exchange == "sparse"  # the run's
     assert _config(ap.parse_args([]), 10, 2).overlap is True  # the daemon's default
     assert _config(ap.parse_args(["--no-overlap"]), 10, 2).overlap is False
     with pytest.raises(ValueError, match=r"exchange_ratio must lie in \(0, 1\]"):

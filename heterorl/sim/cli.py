@@ -15,11 +15,11 @@ full checkpoint every time.
 --learners N (several values: one run each) trains one lineage on N learner peers: samplers spread over them
 by rendezvous hashing, each version a step to which every learner with a full update contributes one. Every
 learner has a link of its own (--learner-link-bytes-per-s, each way); the writer's carries the exchange. With
---exchange sparse each member with data sends a compressed part (--exchange-ratio of its
-float32 gradient, what `heterorl bench exchange` measures) and the writer sends every member its commit,
-compressed again to one part's size; two encode + decode pairs (--codec-s-per-gb) sit on the round's path.
-With --exchange dense (the default, as the run's) the float32 gradients go in, and the commit's parameter
-update and combined gradient out. A version's exchange runs while the next update is computed (--no-overlap:
+--exchange sparse (the default, as the run's) each member with data sends a compressed part (--exchange-ratio
+of its float32 gradient, what `heterorl bench exchange` measures) and the writer sends every member its
+commit, compressed again to one part's size; two encode + decode pairs (--codec-s-per-gb) sit on the round's
+path. With --exchange dense the float32 gradients go in, and the commit's parameter update and combined
+gradient out. A version's exchange runs while the next update is computed (--no-overlap:
 after it), as the daemon's [lineage] overlap does.
 
 example:
@@ -155,9 +155,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--exchange",
         choices=("dense", "sparse"),
         default=d.exchange,
-        help="what learner peers exchange per version, as [lineage] exchange: dense (default): float32 "
-        "gradients in, the parameter update and combined gradient out; sparse: compressed parts in, a "
-        "compressed commit out",
+        help="what learner peers exchange per version, as [lineage] exchange: sparse (default): compressed "
+        "parts in, a compressed commit out; dense: float32 gradients in, the parameter update and combined "
+        "gradient out",
     )
     g.add_argument(
         "--exchange-ratio",

@@ -8,7 +8,7 @@ import dataclasses
 import math
 
 from heterorl.peer.learner.buffer import Buffered, TrajectoryBuffer
-from heterorl.protocol.settings import check_update_fits
+from heterorl.protocol.settings import LineageSettings, check_update_fits
 from heterorl.protocol.wire.messages import MAX_LEARNERS
 
 from .fleet import PeerSpec
@@ -38,7 +38,7 @@ class SimConfig:
     learners: int = 1
     learner_link_bytes_per_s: float = 1.25e9  # every learner's own link, each direction (10 Gbit/s)
     learner_rtt_s: float = 0.05  # a round trip between a member and the writer
-    exchange: str = "dense"  # float32 gradients (the run's default), or "sparse": compressed parts, commits
+    exchange: str = LineageSettings().exchange  # the run's default: "sparse" (compressed) | "dense" (float32)
     exchange_ratio: float = 0.0039  # sparse: one part's bytes / the float32 gradient's (bench exchange)
     codec_s_per_gb: float = 0.05  # sparse: one encode + one decode of a float32 GB (an estimate, GPU)
     overlap: bool = True  # the exchange of a version runs while the next update is computed (the daemon's)

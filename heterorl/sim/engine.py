@@ -44,14 +44,14 @@ once, but the writer's downlink takes every part, and its uplink sends the commi
 members. With n members holding an update (the writer aside) and ``G = gradient_bytes`` (float32, 4 bytes a
 parameter), a version's exchange (``SimConfig.exchange_s``) takes:
 
-- ``exchange="dense"`` (the default, as the run's): ``(n + 2 (N - 1)) G / link + rtt``: a float32 gradient in
+- ``exchange="dense"``: ``(n + 2 (N - 1)) G / link + rtt``: a float32 gradient in
   from each member with data,
   and out to every member the commit's parameter update and combined gradient (``3 (N - 1) G`` when all have
   data); no codec time.
-- ``exchange="sparse"``: ``codec_s + n P / link + (N - 1) P / link + rtt`` with ``P =
-  exchange_ratio × G`` (what ``heterorl bench exchange`` measures): a compressed part in from each member with
-  data, and the writer's commit, the combined update compressed again to one part's size, out to every
-  member. ``codec_s = 2 × codec_s_per_gb × G / 1e9``: two encode + decode pairs on the critical path (a
+- ``exchange="sparse"`` (the default, as the run's): ``codec_s + n P / link + (N - 1) P / link + rtt`` with
+  ``P = exchange_ratio × G`` (what ``heterorl bench exchange`` measures): a compressed part in from each
+  member with data, and the writer's commit, the combined update compressed again to one part's size, out to
+  every member. ``codec_s = 2 × codec_s_per_gb × G / 1e9``: two encode + decode pairs on the critical path (a
   member's part, then the writer's commit).
 
 Without ``overlap`` the round closes when its exchange is done and the next one opens then. With ``overlap``

@@ -1,11 +1,13 @@
 """``[lineage]``: how the learner peers of one run combine each version (docs/architecture.md).
 
-``dense`` (the default): float32 gradients in, the parameter update and the combined gradient out (exact; for
-learners on a datacenter's fabric). ``sparse`` (for learners on internet links, at a cost in learning that
-docs/benchmarks.md measures): each learner takes an AdamW step of its own on its own batches without applying
-it, and sends the top ``k`` of each 4 096 values of that step plus what it has not sent yet (error feedback),
-at 2 bits a value; the writer combines the parts by tokens and commits the top ``k`` of the combination (with
-its own error feedback): 0.39 % of dense float32 bytes each way at ``k`` = 32. Either way every learner adds
+``sparse`` (the default, for learners on internet links): each learner takes an AdamW step of its own on
+its own batches without applying it, and sends the top ``k`` of each 4 096 values of that step plus what it
+has not sent yet (error feedback), at 2 bits a value; the writer combines the parts by tokens and commits the
+top ``k`` of the combination (with its own error feedback): 0.39 % of dense float32 bytes each way at ``k`` =
+32.
+Each learner takes its gradient at the weights plus what it has not sent yet, so that error feedback delays
+the bytes, not the learning. ``dense``: float32 gradients in, the parameter update and the combined gradient
+out (exact, 770× the bytes: for learners on a datacenter's fabric). Either way every learner adds
 the same committed bytes: replicas stay bit-identical. With ``overlap`` a member computes its next part while
 the exchange of its last one runs.
 """
@@ -26,11 +28,10 @@ class LineageSettings:
     """``[lineage]``: the exchange between learner peers (only when the run lists several learner keys)."""
 
     exchange: str = setting(
-        "dense",
-        "dense (float32 gradients in, the update and combined gradient out: exact, for a fabric) | sparse "
-        "(each learner sends the top-k of each 4096 values of its own AdamW step, 2-bit, with error "
+        "sparse",
+        "sparse (each learner sends the top-k of each 4096 values of its own AdamW step, 2-bit, with error "
         "feedback; the writer commits the top-k of their combination: ~0.4 % of dense bytes, for internet "
-        "links, but on the tiny model it learned half as much per row as dense: docs/benchmarks.md)",
+        "links) | dense (float32 gradients in, the update and combined gradient out: exact, for a fabric)",
     )
     k: int = setting(32, "sparse: values sent per 4096 (a multiple of 4, 4 to 256): 32 is 0.39 % of dense")
     overlap: bool = setting(

@@ -96,7 +96,7 @@ record_batches = 8                 # an author's first 8 batches (and 8 after a 
 ban_strikes = 3                    # refused batches that ban an author for the run
 
 # [lineage]                        # several learner_keys: how the learners combine each version
-# exchange = "dense"               # dense (exact) | sparse (top-32 of 4096, 2-bit: 0.4 % of the bytes)
+# exchange = "sparse"              # sparse (top-32 of 4096, 2-bit: 0.4 % of the bytes) | dense (exact)
 
 # [adapter]                        # LoRA adapters on a frozen base; absent: full fine-tuning
 # rank = 8                         # checkpoints carry only the adapters (rank × (in + out) per target)
