@@ -225,12 +225,7 @@ class Trainer:
         Returns ``update`` (by name, on the device, the parameters' dtype) with this trainer's weights set to
         ``old + update`` exactly as :meth:`apply_update` sets a member's: one IEEE addition, the same bits on
         any hardware. The next version."""
-        named = self.named_trainable()
-        old = {n: p.detach().clone() for n, p in named}
-        for n, p in named:
-            p.grad = grads[n].to(p.device, p.dtype)
-        scaled_optimizer_step(self.optimizer, lr_scale)
-        self.optimizer.zero_grad(set_to_none=True)
+        named, old = self._stepped(grads, lr_scale)
         update = {}
         with torch.no_grad():
             for n, p in named:
@@ -257,19 +252,27 @@ class Trainer:
         applied: the weights stay exactly as they were, the optimiser's moments and step count advance.
         Returns the step (new − old) as float32 CPU tensors by name: a sparse exchange's part before
         compression (the pseudo-gradient of one inner step, as SparseLoCo's with H = 1)."""
-        named = self.named_trainable()
         clip_(grads, self.options.grad_clip)
-        old = {n: p.detach().clone() for n, p in named}
-        for n, p in named:
-            p.grad = grads[n].to(p.device, p.dtype)
-        scaled_optimizer_step(self.optimizer, lr_scale)
-        self.optimizer.zero_grad(set_to_none=True)
+        named, old = self._stepped(grads, lr_scale)
         step = {}
         with torch.no_grad():
             for n, p in named:
                 step[n] = (p.detach().float() - old[n].float()).to("cpu")
                 p.copy_(old[n])
         return step
+
+    def _stepped(
+        self, grads: dict[str, Tensor], lr_scale: float
+    ) -> tuple[list[tuple[str, Tensor]], dict[str, Tensor]]:
+        """The optimiser's step on ``grads`` taken on the live weights: the trainable parameters by name and
+        copies of their weights from before it (the caller turns the two into an update)."""
+        named = self.named_trainable()
+        old = {n: p.detach().clone() for n, p in named}
+        for n, p in named:
+            p.grad = grads[n].to(p.device, p.dtype)
+        scaled_optimizer_step(self.optimizer, lr_scale)
+        self.optimizer.zero_grad(set_to_none=True)
+        return named, old
 
     def _moments(self, p: nn.Parameter, g: Tensor) -> None:
         """AdamW's moments and step count of ``p`` after gradient ``g`` (the weights do not change)."""
