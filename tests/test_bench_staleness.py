@@ -43,7 +43,10 @@ def test_kept_is_the_mean_over_seeds_against_the_same_objectives_delay_0():
     assert k[("gepo", 256)] == pytest.approx(0.665 / 0.7)
     assert k[("grpo", 256)] == pytest.approx(0.5) and k[("gepo", 0)] == pytest.approx(1.0)
     assert ("cispo", 256) not in k
-    assert staleness.verdict(runs) == "held-out eval kept at delay 256: default gepo 95.0%, best gepo 95.0%"
+    assert staleness.verdict(runs) == (
+        "held-out eval kept at delay 256: default gepo 95.0%, best gepo 95.0%; its area under the held-out "
+        "curve 95.6% of delay 0's"  # (0.40 + 0.365) / 2 over (0.45 + 0.35) / 2: trapezoids of 0.1 -> final
+    )
 
 
 def test_table_orders_by_delay_then_objective_and_labels_the_lagging_reward():
@@ -101,10 +104,14 @@ def test_a_tiny_real_grid_writes_results_and_resumes(tmp_path, tiny_model_dir, c
         ("gspo", 0),
         ("gspo", 4),
     }
-    for r in runs:
-        assert len(r["reward_curve"]) == 6 and [e[0] for e in r["eval_curve"]] == [0, 3, 6]
+    for r in runs:  # every run takes the longest delay + --steps updates: 4 + 6
+        assert r["steps"] == 10 and len(r["reward_curve"]) == 10
+        assert [e[0] for e in r["eval_curve"]] == [0, 3, 6, 9, 10]
         assert 0.0 < r["final_eval"] < 1.0  # the exact expected reward of a real policy
-        assert r["final_eval"] == pytest.approx(sum(e[1] for e in r["eval_curve"]) / 3)
+        assert r["final_eval"] == pytest.approx(sum(e[1] for e in r["eval_curve"]) / 5)
+    pairs = {(r["objective"], r["delay"]) for r in runs}
+    assert {(g["objective"], g["delay"]) for g in data["groups"]} == pairs
+    assert all(g["budget"] == 10 and g["area"] > 0 for g in data["groups"])
     first = (tmp_path / "runs" / "gepo-d4-s0" / "summary.json").stat().st_mtime
     assert staleness.main(argv) == 0  # a second call reuses the finished runs
     assert (tmp_path / "runs" / "gepo-d4-s0" / "summary.json").stat().st_mtime == first
@@ -119,3 +126,74 @@ def test_a_tiny_real_grid_writes_results_and_resumes(tmp_path, tiny_model_dir, c
 def test_bad_variants_and_objectives_are_refused_before_any_run(argv, tmp_path, capsys):
     assert staleness.main([*argv, "--out", str(tmp_path)]) == 2
     assert "error:" in capsys.readouterr().out and not (tmp_path / "runs").exists()
+
+
+def test_curves_reduce_to_final_area_and_updates_to_a_target_within_a_budget():
+    from heterorl.bench.staleness_curves import area, final_at, updates_to
+
+    curve = [[0, 0.0, 0.0], [10, 0.5, 0.6], [20, 1.0, 1.0], [30, 1.0, 1.0]]
+    assert final_at(curve, 30, n=2) == pytest.approx(1.0) and final_at(curve, 15, n=2) == pytest.approx(0.25)
+    assert final_at(curve, -1) is None
+    assert area(curve, 20) == pytest.approx((2.5 + 7.5) / 20)  # two trapezoids over 20 updates
+    assert area(curve, 25) == pytest.approx((2.5 + 7.5 + 5.0) / 25)  # held at 1.0 past the last point
+    assert area([[0, 0.3, 0.3]], 10) is None
+    assert updates_to(curve, 0.5, 30) == 10 and updates_to(curve, 0.9, 15) is None
+
+
+def test_a_delay_is_set_against_delay_0_over_its_own_budget():
+    """Delay 0 ran 3 000 updates, delay 1 024 its 2 224: kept, area and updates to 90 % cut delay 0's curve
+    at 2 224; a seed that never reaches 90 % shows as "> budget"."""
+    assert [staleness.budget(d, [0, 512, 1024], 1200) for d in (0, 512, 1024)] == [2224, 1712, 2224]
+    fresh = [[u, min(1.0, u / 1000), 0.0] for u in range(0, 3001, 100)]  # 1.0 from update 1 000
+    late = [[u, min(0.95, max(0.0, (u - 1024) / 500)), 0.0] for u in range(0, 2225, 100)]
+    never = [[u, 0.5, 0.0] for u in range(0, 2225, 100)]
+
+    def run(delay, seed, curve, steps):
+        return {"objective": "gepo", "delay": delay, "seed": seed, "steps": steps, "eval_curve": curve,
+                "final_eval": final(curve), "reward_curve": [0.5], "is_var_curve": [0.1]}  # fmt: skip
+
+    def final(curve):
+        return sum(p[1] for p in curve[-5:]) / 5
+
+    runs = [run(0, 0, fresh, 3000), run(1024, 0, late, 2224), run(1024, 1, late, 2224)]
+    fast = staleness.speed(runs)[("gepo", 1024)]
+    assert staleness.kept(runs)[("gepo", 1024)] == pytest.approx(0.95)
+    assert fast["budget"] == 2224 and fast["reached"] == 2 and fast["to_90"] == 1500  # 0.9 at 1 474 -> 1 500
+    from heterorl.bench.staleness_curves import area
+
+    assert fast["area"] == pytest.approx(area(late, 2224) / area(fresh, 2224))
+    runs[2] = run(1024, 1, never, 2224)
+    fast = staleness.speed(runs)[("gepo", 1024)]
+    assert fast["to_90"] is None and fast["reached"] == 1
+    row = next(r for r in staleness.table(runs).splitlines() if r.startswith("| gepo | 1024 |"))
+    assert "> 2224 (1 seeds reached it)" in row
+    groups = staleness.summary(runs)
+    assert [(g["delay"], g["kept"] is not None) for g in groups] == [(0, True), (1024, True)]
+
+
+def test_quick_with_delays_runs_the_default_objective_alone(tmp_path, monkeypatch):
+    """--quick alone keeps its three objectives at [0, 256]; with --delays it runs the default at those."""
+    import argparse
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_pool(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(staleness, "ProcessPoolExecutor", fake_pool)
+    monkeypatch.setattr("heterorl.peer.model.ensure_model", lambda path, seed: tmp_path)
+    for argv, labels, delays in (
+        (["--quick"], list(staleness.QUICK_VARIANTS), [0, 256]),
+        (["--quick", "--delays", "1024", "0", "512"], [staleness.DEFAULT_OBJECTIVE], [0, 512, 1024]),
+    ):
+        ap = argparse.ArgumentParser()
+        staleness.add_arguments(ap)
+        args = ap.parse_args([*argv, "--out", str(tmp_path / "o")])
+        with pytest.raises(Stop):
+            staleness.run_from_args(args)
+        seen[tuple(argv)] = (args.delays, args.seeds)
+        assert args.delays == delays and args.seeds == [0, 1]
+        assert sorted(args.objectives or labels) == sorted(labels)

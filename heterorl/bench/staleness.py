@@ -28,6 +28,8 @@ from pathlib import Path
 
 from heterorl.protocol.storage.jsonlog import read_rows
 
+from .staleness_curves import FINAL_EVALS, area, final_at, updates_to
+
 DEFAULT_OBJECTIVE = "gepo"  # what a run gets without [objective] (heterorl.peer.objectives.DEFAULT_OBJECTIVE)
 # label -> (objective, its params): the default first, then every objective of the zoo
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -48,7 +50,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 # the default against the two objectives that keep most at large delays (the full grid: every objective)
 QUICK_VARIANTS = ("gepo", "m2po", "cispo")
 QUICK = {"delays": [0, 256], "seeds": [0, 1], "eval_every": 40}
-FINAL_EVALS = 5  # final_eval: mean of this many last evaluations (heterorl.peer.train.one_process)
+DELAYS = [0, 8, 32, 64, 128, 256]
+TO_REACH = 0.9  # "updates to 90 %": of the delay-0 run's final score over the same budget
 LAST_REWARDS = 20  # the lagging rollout reward: mean of the last this many updates
 # learner peers of one lineage in one process (peer/train/lineage_local.py): name -> (learners, exchange)
 LINEAGES = {"1": (1, "dense"), "2-dense": (2, "dense"), "2-sparse": (2, "sparse")}
@@ -59,16 +62,19 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--delays",
         type=int,
         nargs="+",
-        default=[0, 8, 32, 64, 128, 256],
-        help="policy delays: rollouts come from the policy this many versions old (default: %(default)s)",
+        default=None,
+        help=f"policy delays: rollouts come from the policy this many versions old (default: {DELAYS}; "
+        "any delay >= 0)",
     )
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="default: %(default)s")
     ap.add_argument(
         "--steps",
         type=int,
         default=1200,
-        help="updates per run, the same for every objective and delay: a delay-256 run trains 944 of its "
-        "1200 updates on data newer than the initial policy, and delay 0 has levelled off by then",
+        help="updates after the delay: a run at delay d takes d + STEPS updates, so that every delayed run "
+        "trains STEPS updates on rollouts of a policy newer than the initial one (most of its updates while "
+        "d < STEPS); delay 0 takes as many as the longest (max delay + STEPS), and each delay is compared "
+        "with delay 0 over its own budget (delay 0 has levelled off by 1200 on one-digit sums)",
     )
     ap.add_argument("--prompts", type=int, default=16, help="prompts per update")
     ap.add_argument("--group-size", type=int, default=8)
@@ -87,7 +93,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help=f"{' '.join(QUICK_VARIANTS)} at delays {QUICK['delays']}, seeds {QUICK['seeds']}, an evaluation "
-        f"every {QUICK['eval_every']} updates (< 15 min on 2 cores)",
+        f"every {QUICK['eval_every']} updates (< 15 min on 2 cores); with --delays, the default objective "
+        f"{DEFAULT_OBJECTIVE} alone at those delays (--quick --delays 0 512 1024: < 40 min on 2 cores)",
     )
     ap.add_argument("--workers", type=int, default=None, help="runs at a time (default: the CPU count)")
     ap.add_argument("--model", default=None, help="default: the tiny model (built if missing)")
@@ -110,6 +117,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "half the versions, each of two updates; evaluations at the same rows)",
     )
     ap.add_argument("--out", default="runs/bench-staleness")
+
+
+def budget(delay: int, delays: list[int], steps: int) -> int:
+    """A run's updates: ``delay + steps`` (``steps`` of them on rollouts newer than the initial policy),
+    delay 0's as long as the longest delay's so that it covers every delay's budget."""
+    return (delay or max(delays)) + steps
+
+
+def _budgets(delays: list[int], steps: int) -> str:
+    sizes = sorted({budget(d, delays, steps) for d in delays})
+    return f"{sizes[0]} updates" if len(sizes) == 1 else f"{sizes[0]}–{sizes[-1]} updates (delay + {steps})"
 
 
 def _run_dir(out: Path, label: str, delay: int, seed: int) -> Path:
@@ -181,6 +199,7 @@ def _one(job: dict) -> dict:
         "delay": job["delay"],
         "seed": job["seed"],
         "steps": summary["steps"],
+        "learners": job.get("learners") or 1,
         "final_eval": summary["final_eval"],
         "final_eval_greedy": summary["final_eval_greedy"],
         "eval_curve": summary["eval_curve"],
@@ -209,15 +228,69 @@ def _groups(results: list[dict]) -> dict[tuple[str, int], list[dict]]:
     return groups
 
 
+def _curve(run: dict) -> list[list[float]]:
+    """The run's held-out curve in updates of one learner (a lineage's version of N updates counts N)."""
+    n = run.get("learners") or 1
+    return [[p[0] * n, *p[1:]] for p in run["eval_curve"]]
+
+
+def _budget_of(run: dict) -> float:
+    """The run's length in updates of one learner (its last evaluation's, for a run without ``steps``)."""
+    curve = _curve(run)
+    return (run.get("steps") or 0) * (run.get("learners") or 1) or (curve[-1][0] if curve else 0.0)
+
+
+def _base_final(base: list[dict], at: float) -> float:
+    """Delay 0's final score over a budget of ``at`` updates: its ``final_eval`` when it ran that long, else
+    the mean of its last evaluations at or before ``at`` (mean over seeds)."""
+    finals = [r["final_eval"] if _budget_of(r) == at else final_at(_curve(r), at) for r in base]
+    return statistics.fmean(f for f in finals if f is not None)
+
+
+def _by_delay(results: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    out: dict[tuple[str, int], list[dict]] = {}
+    for r in results:
+        out.setdefault((r["objective"], r["delay"]), []).append(r)
+    return out
+
+
 def kept(results: list[dict]) -> dict[tuple[str, int], float]:
-    """(objective, delay) -> mean final_eval over seeds / the same objective's at delay 0."""
-    groups = _groups(results)
+    """(objective, delay) -> mean final_eval over seeds / the same objective's at delay 0 over the same
+    budget."""
+    runs = _by_delay(results)
     out = {}
-    for (label, delay), fs in groups.items():
-        base = groups.get((label, 0))
+    for (label, delay), rs in runs.items():
+        base = runs.get((label, 0))
         if base:
-            b = statistics.fmean(f["eval"] for f in base)
-            out[(label, delay)] = statistics.fmean(f["eval"] for f in fs) / b if b > 0 else float("nan")
+            b = _base_final(base, _budget_of(rs[0]))
+            out[(label, delay)] = statistics.fmean(r["final_eval"] for r in rs) / b if b > 0 else float("nan")
+    return out
+
+
+def speed(results: list[dict]) -> dict[tuple[str, int], dict]:
+    """(objective, delay) -> how fast it learned against delay 0 over the same budget: ``area`` (the mean
+    area under its held-out curve over delay 0's), ``to_90`` (the mean over seeds of the first evaluated
+    update reaching 90 % of delay 0's final; None if a seed never did), ``reached`` (seeds that did),
+    ``budget``."""
+    runs = _by_delay(results)
+    out = {}
+    for (label, delay), rs in runs.items():
+        base = runs.get((label, 0))
+        if not base:
+            continue
+        at = _budget_of(rs[0])
+        base_area = [area(_curve(r), at) for r in base]
+        mine = [area(_curve(r), at) for r in rs]
+        target = TO_REACH * _base_final(base, at)
+        hits = [updates_to(_curve(r), target, at) for r in rs]
+        reached = [h for h in hits if h is not None]
+        ok = all(a is not None for a in base_area + mine) and statistics.fmean(base_area) > 0
+        out[(label, delay)] = {
+            "area": statistics.fmean(mine) / statistics.fmean(base_area) if ok else float("nan"),
+            "to_90": statistics.fmean(reached) if len(reached) == len(rs) else None,
+            "reached": len(reached),
+            "budget": at,
+        }
     return out
 
 
@@ -234,20 +307,41 @@ def _order(label: str) -> int:
 def table(results: list[dict]) -> str:
     """Markdown, one row per objective and delay (mean ± spread over seeds): the current policy's held-out
     score first, what it keeps of delay 0's, then the lagging rollout reward."""
-    groups, k = _groups(results), kept(results)
+    groups, k, sp = _groups(results), kept(results), speed(results)
     lines = [
-        "| objective | delay | held-out eval, sampled (%) | kept vs delay 0 | held-out eval, greedy (%) | "
+        "| objective | delay | held-out eval, sampled (%) | kept vs delay 0 | area vs delay 0 | "
+        "updates to 90 % of delay 0 | held-out eval, greedy (%) | "
         "rollout reward, last 20 updates (%, lags by the delay) | mean IS-weight variance | seeds |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (label, delay), fs in sorted(groups.items(), key=lambda kv: (kv[0][1], _order(kv[0][0]))):
-        share = k.get((label, delay))
+        share, fast = k.get((label, delay)), sp.get((label, delay))
+        rel = "-" if fast is None else f"{fast['area']:.1%}"
         lines.append(
             f"| {label} | {delay} | {_cell([f['eval'] for f in fs])} | "
-            f"{'-' if share is None else f'{share:.1%}'} | {_cell([f['greedy'] for f in fs])} | "
+            f"{'-' if share is None else f'{share:.1%}'} | {rel} | "
+            f"{_to_90(fast)} | {_cell([f['greedy'] for f in fs])} | "
             f"{_cell([f['rollout'] for f in fs])} | {_cell([f['is_var'] for f in fs], 1.0, 4)} | {len(fs)} |"
         )
     return "\n".join(lines)
+
+
+def _to_90(fast: dict | None) -> str:
+    if fast is None:
+        return "-"
+    if fast["to_90"] is None:
+        return f"> {fast['budget']:.0f} ({fast['reached']} seeds reached it)"
+    return f"{fast['to_90']:.0f}"
+
+
+def summary(results: list[dict]) -> list[dict]:
+    """results.json's ``groups``: one entry per objective and delay with its kept share, area and updates to
+    90 % against delay 0 over its budget."""
+    k, sp = kept(results), speed(results)
+    return [
+        {"objective": label, "delay": delay, "kept": k.get((label, delay)), **sp.get((label, delay), {})}
+        for label, delay in sorted(_by_delay(results), key=lambda x: (x[1], _order(x[0])))
+    ]
 
 
 def verdict(results: list[dict]) -> str:
@@ -259,9 +353,11 @@ def verdict(results: list[dict]) -> str:
         return "no delayed runs with a delay-0 baseline"
     best = max(at, key=at.get)
     mine = at.get(DEFAULT_OBJECTIVE)
+    fast = speed(results).get((DEFAULT_OBJECTIVE, top))
+    area_part = "" if fast is None else f"; its area under the held-out curve {fast['area']:.1%} of delay 0's"
     return (
         f"held-out eval kept at delay {top}: default {DEFAULT_OBJECTIVE} "
-        f"{'-' if mine is None else f'{mine:.1%}'}, best {best} {at[best]:.1%}"
+        f"{'-' if mine is None else f'{mine:.1%}'}, best {best} {at[best]:.1%}{area_part}"
     )
 
 
@@ -340,10 +436,16 @@ def run_from_args(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"error: --variant {spec!r}: want LABEL=OBJECTIVE[:JSON] ({e})")
             return 2
-    labels = list(args.objectives or (QUICK_VARIANTS if args.quick else VARIANTS))
+    quick_labels = QUICK_VARIANTS if args.delays is None else (DEFAULT_OBJECTIVE,)
+    labels = list(args.objectives or (quick_labels if args.quick else VARIANTS))
     labels += [spec.split("=", 1)[0] for spec in args.variant if spec.split("=", 1)[0] not in labels]
     if args.quick:
-        args.delays, args.seeds, args.eval_every = QUICK["delays"], QUICK["seeds"], QUICK["eval_every"]
+        args.seeds, args.eval_every = QUICK["seeds"], QUICK["eval_every"]
+    chosen = args.delays if args.delays is not None else QUICK["delays"] if args.quick else DELAYS
+    args.delays = sorted(set(chosen))
+    if args.delays[0] < 0 or args.steps < 1:
+        print("error: delays must be >= 0 and --steps >= 1")
+        return 2
     unknown = [label for label in labels if label not in variants]
     if unknown:
         print(f"error: {unknown} not among {list(variants)}")
@@ -366,7 +468,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             "seed": seed,
             "dir": str(_run_dir(out, f"{label}@{setup}" if setup else label, delay, seed)),
             "model": model,
-            "steps": args.steps // learners,
+            "steps": budget(delay, args.delays, args.steps) // learners,
             "prompts": args.prompts,
             "group_size": args.group_size,
             "lr": args.lr,
@@ -385,8 +487,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     ]
     workers = max(1, min(args.workers or os.cpu_count() or 1, len(jobs)))
     print(
-        f"{len(jobs)} runs ({len(labels)} objectives × delays {sorted(args.delays)} × seeds {args.seeds}), "
-        f"{args.steps} updates each, {workers} at a time"
+        f"{len(jobs)} runs ({len(labels)} objectives × delays {args.delays} × seeds {args.seeds}), "
+        f"{_budgets(args.delays, args.steps)}, {workers} at a time"
     )
     t0 = time.perf_counter()
     results = []
@@ -395,7 +497,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         for f in tqdm(as_completed(futures), total=len(futures), desc="staleness runs", unit="run"):
             results.append(f.result())
     results.sort(key=lambda r: (r["delay"], _order(r["objective"]), r["seed"]))
-    (out / "results.json").write_text(json.dumps({"default_objective": DEFAULT_OBJECTIVE, "runs": results}))
+    (out / "results.json").write_text(
+        json.dumps({"default_objective": DEFAULT_OBJECTIVE, "runs": results, "groups": summary(results)})
+    )
     what = (
         "tiny model, one-digit sums. Held-out eval: the current policy's exact expected reward over all 100 "
         "prompts at temperature 1"
@@ -405,11 +509,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         f"{args.eval_samples} seeded draws per prompt) at temperature 1"
     )
     header = (
-        f"{len(results)} runs: {args.steps} updates of {args.prompts} prompts × {args.group_size}, "
+        f"{len(results)} runs: {_budgets(args.delays, args.steps)} of {args.prompts} prompts × "
+        f"{args.group_size}, "
         f"lr {args.lr}, seeds {args.seeds}, {what}, mean of its last {FINAL_EVALS} evaluations (every "
-        f"{args.eval_every} updates), in percent (mean ± spread over seeds); kept = mean over seeds / the "
-        f"same "
-        f"objective's at delay 0."
+        f"{args.eval_every} updates), in percent (mean ± spread over seeds). Each delay is set against the "
+        f"same objective's delay-0 runs over its own budget: kept = final score over delay 0's final at that "
+        f"budget; area = the area under the held-out curve over delay 0's; updates to 90 % = the first "
+        f"evaluation reaching 90 % of delay 0's final (mean over seeds; > budget: a seed never did)."
     )
     md = table(results)
     line = verdict(results)
