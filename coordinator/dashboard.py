@@ -352,8 +352,8 @@ class _ViewCollector:
             ("peer", "role"),
         )
         yield _family(
-            "heterorl_staleness_batches",
-            "Batches the learner used, by staleness bucket (policy versions behind).",
+            "heterorl_staleness_rows",
+            "Rows the learner trained on, by staleness band (policy versions behind).",
             [((b,), n) for b, n in _dict(learner.get("staleness_hist")).items()],
             ("bucket",),
         )

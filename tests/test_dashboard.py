@@ -35,7 +35,7 @@ FAMILIES = {
     "heterorl_batches_rejected_total": "counter",
     "heterorl_checkpoint_version": "gauge",
     "heterorl_peer_tokens_per_second": "gauge",
-    "heterorl_staleness_batches": "gauge",
+    "heterorl_staleness_rows": "gauge",
     "heterorl_learner_buffer_batches": "gauge",
     "heterorl_learner_wait_ratio": "gauge",
     "heterorl_learner_trust_held_batches": "gauge",
@@ -123,7 +123,7 @@ def realistic_view(now: float | None = None) -> dict:
                 [s, 0.15 + 0.6 * (1 - math.exp(-s / 10)), 0.2 + 0.65 * (1 - math.exp(-s / 9))]
                 for s in range(0, 37, 6)
             ],
-            "staleness_hist": {"0": 61, "1": 40, "2-3": 25, "4-7": 10, "8-15": 3, "16+": 1},
+            "staleness_hist": {"0": 61, "1": 40, "2-3": 25, "4-7": 10, "8-15": 3, "16-63": 1, "1024+": 2},
             "rejected_by_author": {"ef56ab78": 3, "99ff00ee": 1},
         },
         "throughput": {
@@ -357,7 +357,7 @@ def test_metrics_match_view(dashboard):
         tps = sample(m, "heterorl_peer_tokens_per_second", peer=p["key"], role=p["role"])
         assert tps == p["tokens_per_s"]
     for bucket, n in learner["staleness_hist"].items():
-        assert sample(m, "heterorl_staleness_batches", bucket=bucket) == n
+        assert sample(m, "heterorl_staleness_rows", bucket=bucket) == n
     for name, value in LEARNER_STATS.values():
         assert sample(m, name) == value, name
 
@@ -508,7 +508,7 @@ def test_prometheus_text_parses_with_the_client_parser():
     assert samples == parse_metrics(text)
     learner = view["learner"]
     assert samples["heterorl_batches_accepted_total", frozenset()] == learner["accepted"]
-    assert [(s.labels, s.value) for s in families["heterorl_staleness_batches"].samples] == [
+    assert [(s.labels, s.value) for s in families["heterorl_staleness_rows"].samples] == [
         ({"bucket": b}, n) for b, n in learner["staleness_hist"].items()
     ]
     tps = {s.labels["peer"]: s.value for s in families["heterorl_peer_tokens_per_second"].samples}

@@ -55,9 +55,9 @@ def test_an_update_row_has_its_batches_staleness_engines_and_sources():
     row = st.updated(7, [batch(1, a, 6), batch(2, b, 2, rows=3, engine="vllm")], {"reward/mean": 0.5})
     assert row["step"] == 7 and row["ranks"] == 2
     assert row["rows_by_author"] == {a.hex()[:16]: 2, b.hex()[:16]: 3}
-    assert sum(row["staleness_hist"].values()) == 2 and st.staleness == collections.Counter(
-        row["staleness_hist"]
-    )
+    assert sum(row["staleness_hist"].values()) == 2  # batches; the running count is of rows
+    assert sum(row["staleness_rows"].values()) == 5
+    assert st.staleness == collections.Counter(row["staleness_rows"])
     assert row["engines"] == {"hf/float32": 1, "vllm/float32": 1}
     assert row["publish_build_s"] == 0.5 and row["trust/held"] == 4 and row["reward/mean"] == 0.5
     assert st.trained_rows == {a: 2, b: 3}
@@ -68,8 +68,11 @@ def test_the_heartbeat_carries_counts_shown_stats_and_the_worst_strikers_only():
     strikes = {f"author{i:02d}": i for i in range(MAX_SHOWN_STRIKES + 4)}
     st = make(Counts(strikes=strikes), delta=0.1)
     st.updated(7, [batch(1, b"a" * 32, 7)], {"reward/mean": 0.25, "is/ess": 0.9, "loss": 1.0})
+    st.updated(8, [batch(2, b"b" * 32, 1, rows=3)], {"reward/mean": 0.25, "is/ess": 0.9, "loss": 1.0})
     st.last_eval = {"eval/step": 5.0, "eval/sampled": 0.3, "eval/time_s": 2.0}
     hb = st.heartbeat()
+    # rows by staleness band, the bands holding rows only: 2 rows 0 versions old, 3 rows 6 versions old
+    assert {k: v for k, v in hb.items() if k.startswith("stale:")} == {"stale:0": 2, "stale:4-7": 3}
     assert hb["step"] == 7 and hb["accepted"] == 5 and hb["rejected"] == 3 and hb["buffer"] == 2
     assert hb["publish_failures"] == 3 and hb["delta_ratio"] == 0.1 and hb["ranks"] == 2
     assert hb["reward/mean"] == 0.25 and hb["is/ess"] == 0.9 and "loss" not in hb  # shown stats only

@@ -96,8 +96,10 @@ def test_rows_from_bodies_pads_and_keeps_groups_apart():
 
 @pytest.mark.parametrize(
     "delta, bucket",
-    [(-1, "0"), (0, "0"), (1, "1"), (2, "2-3"), (3, "2-3"), (7, "4-7"), (15, "8-15"), (64, "16+")],
-)
+    [(-1, "0"), (0, "0"), (1, "1"), (2, "2-3"), (3, "2-3"), (7, "4-7"), (15, "8-15"), (16, "16-63"),
+     (64, "64-255"), (255, "64-255"), (256, "256-1023"), (1023, "256-1023"), (1024, "1024+"),
+     (10**6, "1024+")],
+)  # fmt: skip
 def test_staleness_buckets(delta, bucket):
     assert staleness_bucket(delta) == bucket
 
@@ -173,3 +175,11 @@ def test_a_metrics_line_a_kill_cut_short_counts_as_after_any_save(tmp_path):
         path.write_text('{"step": 7, "time": 1.0}\n' + torn + "\n")
         assert drop_rows_after(path, "step", 10**9) == 1  # dropped with the updates a restart redoes
         assert path.read_text() == '{"step": 7, "time": 1.0}\n'
+
+
+def test_at_least_sums_the_bands_from_a_start():
+    from heterorl.protocol.wire.staleness import STALENESS_BUCKETS, at_least
+
+    hist = {b: 1.0 for b in STALENESS_BUCKETS}
+    assert at_least(hist, 16) == 4 and at_least(hist, 0) == len(STALENESS_BUCKETS)
+    assert at_least(hist, 1024) == 1 and at_least({"0": 3}, 16) == 0

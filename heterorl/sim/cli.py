@@ -39,6 +39,8 @@ import math
 import time
 from pathlib import Path
 
+from heterorl.protocol.wire.staleness import at_least
+
 
 def delta_ratio(spec: str) -> tuple[float, str]:
     """``--delta-ratio``: a number, or ``FILE.json[:model]`` written by ``heterorl bench weights --json``
@@ -274,7 +276,7 @@ def table(results: list[dict]) -> str:
             f"| {r['config']['samplers']} | {r['updates_per_h']:.0f} "
             f"| {lt['training']:.0%} / {lt['publishing']:.0%} / {lt['waiting']:.0%} "
             f"| {st['mean']:.1f} · {st['p50']} · {st['p90']} · {st['max']} "
-            f"| {b['0'] + b['1']:.0%} · {b['2-3'] + b['4-7']:.0%} · {b['8-15']:.0%} · {b['16+']:.0%} "
+            f"| {b['0'] + b['1']:.0%} · {b['2-3'] + b['4-7']:.0%} · {b['8-15']:.0%} · {at_least(b, 16):.0%} "
             f"| {t.get('generating', 0) / online:.0%} / {t.get('fetching', 0) / online:.0%} "
             f"/ {t.get('outbox full', 0) / online:.0%} "
             f"/ {t.get('paused (behind)', 0) / online:.0%} · {t.get('paused (busy)', 0) / online:.0%} "

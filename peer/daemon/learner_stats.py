@@ -74,7 +74,10 @@ class LearnerStats:
     def updated(self, step: int, batches: list[Buffered], stats: dict[str, float]) -> dict:
         """Record update ``step`` (made of ``batches``, which gave ``stats``); its metrics row."""
         hist = collections.Counter(staleness_bucket(step - 1 - b.body["policy_version"]) for b in batches)
-        self.staleness.update(hist)
+        rows_hist: collections.Counter[str] = collections.Counter()
+        for b in batches:
+            rows_hist[staleness_bucket(step - 1 - b.body["policy_version"])] += len(b.body["rows"])
+        self.staleness.update(rows_hist)
         rows_by_author: collections.Counter[str] = collections.Counter()
         for b in batches:
             self.trained_rows[b.author] += len(b.body["rows"])
@@ -86,7 +89,8 @@ class LearnerStats:
             "batches": [b.batch_id.hex() for b in batches],
             "authors": sorted({_short(b.author) for b in batches}),
             "rows_by_author": dict(rows_by_author),
-            "staleness_hist": dict(hist),
+            "staleness_hist": dict(hist),  # batches by staleness band
+            "staleness_rows": dict(rows_hist),  # rows by band (the heartbeat's stale:<band>, summed)
             # which rollout engines made this update's batches ("vllm/bfloat16": 3, "hf/float32": 5)
             "engines": dict(
                 collections.Counter(
@@ -120,7 +124,8 @@ class LearnerStats:
             "publish_failures": self.announcer.failures,
             "wait_frac": self.wait_s / max(1e-9, self.wait_s + self.train_s),
             **({"delta_ratio": delta} if delta is not None else {}),
-            **{f"stale:{b}": self.staleness.get(b, 0) for b in STALENESS_BUCKETS},
+            # rows by staleness band, the bands with rows only (a heartbeat holds at most MAX_STATS figures)
+            **{f"stale:{b}": self.staleness[b] for b in STALENESS_BUCKETS if self.staleness.get(b)},
             **{k: self.last[k] for k in SHOWN_STATS if k in self.last},
             **self.trust.stats(),
             **{k: v for k, v in self.last_eval.items() if k in SHOWN_EVAL},
