@@ -165,3 +165,29 @@ def test_a_local_lineage_combines_each_learners_part_and_overlaps_the_members(ex
     assert parts == [1, 2, 2] and writer.version == 3
     with pytest.raises(ValueError, match="parts for 2 learners"):
         lineage.step([rows[0]])
+
+
+def test_a_learner_takes_its_gradient_where_its_unsent_steps_put_the_weights():
+    """LineageRole._unsent_offset: a writer's offset is its commits' residual, a member's its parts' residual
+    times its share of a commit; the dense exchange, or nothing held back yet, has none."""
+    from types import SimpleNamespace
+
+    from heterorl.peer.daemon.learner_lineage import LineageRole
+
+    schema = parameter_schema(model().named_parameters())
+    numel = flat_size(schema)
+    sent, committed = ErrorFeedback(numel, 32), ErrorFeedback(numel, 32)
+    sent.step(torch.randn(numel))
+    committed.step(torch.randn(numel))
+    role = SimpleNamespace(
+        exchange=Exchange(schema, sparse=True, k=32), schema=schema, share=0.25,
+        sent_feedback=sent, commit_feedback=committed, is_writer=True,
+    )  # fmt: skip
+    assert torch.equal(flatten(LineageRole._unsent_offset(role), schema), committed.residual)
+    role.is_writer = False
+    assert torch.equal(flatten(LineageRole._unsent_offset(role), schema), sent.residual * 0.25)
+    role.sent_feedback = None  # a member that has sent nothing yet
+    assert LineageRole._unsent_offset(role) is None
+    role.exchange = Exchange(schema, sparse=False, k=32)
+    role.sent_feedback = sent
+    assert LineageRole._unsent_offset(role) is None
