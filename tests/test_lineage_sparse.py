@@ -65,7 +65,7 @@ def test_a_gradient_at_an_offset_is_the_shifted_weights_gradient_and_leaves_the_
     assert stats.keys() == want_stats.keys()
     for key, value in want_stats.items():
         if not key.startswith(("time/", "mem/")):
-                assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+            assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     assert any(not torch.allclose(got[n], plain[n]) for n in got), "the offset changed no gradient"
     zeros, _ = me.gradients(rows, {n: torch.zeros_like(p) for n, p in before.items()})
     assert all(torch.equal(zeros[n], plain[n]) for n in plain)
