@@ -32,9 +32,11 @@ def _learner_state(learner_dir) -> dict[str, torch.Tensor]:
 
 def test_an_adapter_run_trains_in_the_local_swarm(tmp_path, tiny_model_dir):
     out = tmp_path / "local"
-    steps = 120
+    steps = 200
     cmd = [sys.executable, "-m", "heterorl.cli", "local", "--samplers", "2", "--steps", str(steps)]
-    cmd += ["--out", str(out), "--model", str(tiny_model_dir), "--no-view", "--lr", "2e-3"]
+    # lr 5e-3, what adapter runs want (~10x full fine-tuning's), over 200 updates: at 2e-3 and 120 updates the
+    # rise measured +0.01 to +0.03 (the held-out eval +0.013 to +0.022), at the bar, and the test was flaky
+    cmd += ["--out", str(out), "--model", str(tiny_model_dir), "--no-view", "--lr", "5e-3"]
     cmd += ["--adapter", "rank=8,alpha=16,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -42,7 +44,7 @@ def test_an_adapter_run_trains_in_the_local_swarm(tmp_path, tiny_model_dir):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == steps and summary["batches_rejected"] == 0
     curve = summary["reward_curve"]
-    assert _mean(curve[-20:]) > _mean(curve[:20]) + 0.02, curve  # it learns
+    assert _mean(curve[-30:]) > _mean(curve[:30]) + 0.02, curve  # it learns
 
     model, _ = load_model(str(tiny_model_dir))
     full_bytes = len(weights_bytes(model))
