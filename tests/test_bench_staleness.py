@@ -121,7 +121,13 @@ def test_a_tiny_real_grid_writes_results_and_resumes(tmp_path, tiny_model_dir, c
 
 @pytest.mark.parametrize(
     "argv",
-    [["--variant", "no-equals-sign"], ["--variant", "x=gepo:{not json"], ["--objectives", "nope"]],
+    [
+        ["--variant", "no-equals-sign"],
+        ["--variant", "x=gepo:{not json"],
+        ["--objectives", "nope"],
+        ["--delays", "0", "-1"],
+        ["--steps", "0"],
+    ],
 )
 def test_bad_variants_and_objectives_are_refused_before_any_run(argv, tmp_path, capsys):
     assert staleness.main([*argv, "--out", str(tmp_path)]) == 2

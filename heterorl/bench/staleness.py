@@ -222,10 +222,8 @@ def figures(run: dict) -> dict[str, float]:
 
 
 def _groups(results: list[dict]) -> dict[tuple[str, int], list[dict]]:
-    groups: dict[tuple[str, int], list[dict]] = {}
-    for r in results:
-        groups.setdefault((r["objective"], r["delay"]), []).append(figures(r))
-    return groups
+    """(objective, delay) -> the figures of its runs."""
+    return {key: [figures(r) for r in rs] for key, rs in _by_delay(results).items()}
 
 
 def _curve(run: dict) -> list[list[float]]:
