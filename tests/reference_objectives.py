@@ -26,7 +26,7 @@ DEFAULTS = {
     "cispo": ((None, 0.28), "token_mean", "token"),
     "topr": (1.0, "seq_mean_token_sum", "seq"),
     "gmpo": (0.4, "seq_mean_token_mean", "seq"),
-    "gepo": (0.2, "seq_mean_token_mean", "seq"),
+    "gepo": ((0.2, None), "seq_mean_token_mean", "seq"),  # lower side only (objectives.md)
     "gepo_plus": (0.2, "seq_mean_token_mean", "seq"),
 }
 TOKEN_CLIP = ("grpo", "dapo", "dr_grpo")

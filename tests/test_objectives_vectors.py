@@ -191,6 +191,7 @@ def test_dr_grpo_uses_configured_constant_not_padded_length():
         ("gspo", {"clip": 0.2}, 0.0),
         ("gepo", {}, 0.0),  # §5.9: both weights inside [0.8, 1.2]
         ("gepo", {"clip": 0.1}, 0.5),  # w0 = 1.158 > 1.1 with A>0; w1 = 0.977 inside
+        ("gepo", {"clip": (0.1, None)}, 0.0),  # the upper side open: w0 keeps its gradient
         ("cispo", {"clip": (None, 0.2)}, 0.4),  # ρ = 1.25 and 1.5 capped at 1.2
         ("cispo", {}, 0.2),  # default cap 1.28: only ρ = 1.5
         ("topr", {}, 0.5),  # seq1 negative, exp(S) = 1.05 truncated to 1
@@ -252,6 +253,22 @@ def test_gepo_on_policy_weights_not_one():
     w = _weights_from_grad(grad, A, mask)
     torch.testing.assert_close(w, torch.tensor([1.035742, 0.961498], dtype=F64), **TOL)
     assert stats["is/mean"] == pytest.approx((1.035742 + 0.961498) / 2, abs=2e-6)
+
+
+def test_gepo_clips_the_lower_side_only_by_default():
+    """GEPO's default clip is (0.2, None) (objectives.md: the upper side stopped learning from stale
+    rollouts); gepo_plus keeps the authors' symmetric 0.2. On §5.9's batch w0 = 1.158 with A > 0: a symmetric
+    ε = 0.1 zeroes its gradient, the lower side alone does not."""
+    from heterorl.peer.objectives._registry import get
+
+    assert get("gepo").params().clip == (0.2, None)
+    assert get("gepo_plus").params().clip == 0.2
+    _, sym, _ = run("gepo", clip=0.1)
+    _, low, _ = run("gepo", clip=(0.1, None))
+    _, unclipped, _ = run("gepo", clip=None)
+    assert bool((sym[0] == 0).all()) and bool((low[0] != 0).any())
+    torch.testing.assert_close(low, unclipped)  # nothing is below 0.9 here: the lower side clips nothing
+    torch.testing.assert_close(sym[1], low[1])
 
 
 FIXED = {"defensive_sampling": True, "defensive_schedule": "fixed"}

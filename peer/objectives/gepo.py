@@ -6,8 +6,14 @@ What is built, and from where (spec §2.10):
   p̃_b = exp(mean_t log p), q̃_b = exp(mean_t log q) are length-normalised (per-token geometric-mean)
   probabilities and Ê_q[q̃] = Σ_i q̃_i² / Σ_i q̃_i over the prompt's group. Computed in log space,
   log Ê = LSE(2ℓq) − LSE(ℓq), so nothing underflows for any log-prob. Gradient flows through the
-  numerator only. Sequence-level PPO clip (ε = 0.2, as the authors' runs use TRL's default), mean
-  over sequences, mean-only advantages (the authors' ``scale_rewards=False``).
+  numerator only. Sequence-level PPO clip, mean over sequences, mean-only advantages (the authors'
+  ``scale_rewards=False``).
+* The clip is on the lower side only by default, ε_low = 0.2 and no upper bound (the authors' runs use
+  TRL's symmetric 0.2; ``gepo_plus`` keeps it). On stale rows the upper clip zeroes the gradient of every
+  rewarded answer the current policy already likes 1.2× more than the stale sampler did, so a learner fed
+  old rollouts stops learning from them; the defensive mixture already bounds the weight by 1/λ there. On
+  the staleness grid to 1 024 versions (docs/benchmarks.md) the open upper side learns from stale rollouts
+  as fast as from fresh ones and ends as high; dropping the lower clip too collapses (``clip=None``).
 * Group scope: ``"prompt"`` (the paper's definition, per ``group_ids``) or ``"microbatch"`` (the whole
   batch is one group: what the authors' code effectively computes after shuffling rows, §2.10.2 item 6).
 * Defensive sampling: the README's "Appendix F" could not be found in any public revision, so this is
@@ -43,6 +49,7 @@ GEPO_PLUS_KL_THRESHOLD = 0.002  # authors' ``kl_temp`` default
 class GEPOParams(CommonParams):
     """GEPO parameters.
 
+    clip: (ε_low, ε_high) = (0.2, None): the lower side only (the module docstring says why).
     group_scope: ``"prompt"`` (denominator per group_ids group) or ``"microbatch"`` (whole batch).
     defensive_sampling: ``None`` = on iff ``staleness`` is given and some row is stale; or a bool.
     defensive_lambda: mixture weight λ (fixed) or its limit for infinitely stale data (schedule).
@@ -50,7 +57,7 @@ class GEPOParams(CommonParams):
     defensive_half_staleness: Δ_half, the staleness at which the schedule reaches λ/2.
     """
 
-    clip: ClipArg = 0.2
+    clip: ClipArg = (0.2, None)
     group_scope: str = "prompt"
     defensive_sampling: bool | None = None
     defensive_lambda: float = 0.5
@@ -75,8 +82,10 @@ class GEPOParams(CommonParams):
 
 @dataclass(frozen=True, eq=False)
 class GEPOPlusParams(GEPOParams):
-    """``kl_threshold`` τ: sequences with learner–sampler KL below τ use their own q̃."""
+    """``kl_threshold`` τ: sequences with learner–sampler KL below τ use their own q̃. The clip is the
+    authors' symmetric 0.2 (TRL's default), as in their code."""
 
+    clip: ClipArg = 0.2
     kl_threshold: float = GEPO_PLUS_KL_THRESHOLD
 
 
