@@ -45,8 +45,8 @@ def test_kept_is_the_mean_over_seeds_against_the_same_objectives_delay_0():
     assert ("cispo", 256) not in k
     assert staleness.verdict(runs) == (
         "held-out eval kept at delay 256: default gepo 95.0%, best gepo 95.0%; its area under the held-out "
-        "curve 95.6% of delay 0's"  # (0.40 + 0.365) / 2 over (0.45 + 0.35) / 2: trapezoids of 0.1 -> final
-    )
+        "curve 95.6% of delay 0's, its mean score over the budget 38.2% (best gepo 38.2%)"
+    )  # (0.40 + 0.365) / 2 over (0.45 + 0.35) / 2: trapezoids of 0.1 -> final; grpo's mean is 0.175
 
 
 def test_table_orders_by_delay_then_objective_and_labels_the_lagging_reward():
@@ -168,6 +168,9 @@ def test_a_delay_is_set_against_delay_0_over_its_own_budget():
     from heterorl.bench.staleness_curves import area
 
     assert fast["area"] == pytest.approx(area(late, 2224) / area(fresh, 2224))
+    assert fast["mean"] == pytest.approx(area(late, 2224))
+    row = next(r for r in staleness.table(runs).splitlines() if r.startswith("| gepo | 1024 |"))
+    assert f"| {100 * area(late, 2224):.1f} |" in row
     runs[2] = run(1024, 1, never, 2224)
     fast = staleness.speed(runs)[("gepo", 1024)]
     assert fast["to_90"] is None and fast["reached"] == 1

@@ -267,9 +267,10 @@ def kept(results: list[dict]) -> dict[tuple[str, int], float]:
 
 def speed(results: list[dict]) -> dict[tuple[str, int], dict]:
     """(objective, delay) -> how fast it learned against delay 0 over the same budget: ``area`` (the mean
-    area under its held-out curve over delay 0's), ``to_90`` (the mean over seeds of the first evaluated
-    update reaching 90 % of delay 0's final; None if a seed never did), ``reached`` (seeds that did),
-    ``budget``."""
+    area under its held-out curve over delay 0's), ``mean`` (that area itself: the mean held-out score over
+    the budget, comparable across objectives where ``area`` is not), ``to_90`` (the mean over seeds of the
+    first evaluated update reaching 90 % of delay 0's final; None if a seed never did), ``reached`` (seeds
+    that did), ``budget``."""
     runs = _by_delay(results)
     out = {}
     for (label, delay), rs in runs.items():
@@ -285,6 +286,7 @@ def speed(results: list[dict]) -> dict[tuple[str, int], dict]:
         ok = all(a is not None for a in base_area + mine) and statistics.fmean(base_area) > 0
         out[(label, delay)] = {
             "area": statistics.fmean(mine) / statistics.fmean(base_area) if ok else float("nan"),
+            "mean": statistics.fmean(mine) if all(a is not None for a in mine) else float("nan"),
             "to_90": statistics.fmean(reached) if len(reached) == len(rs) else None,
             "reached": len(reached),
             "budget": at,
@@ -308,16 +310,17 @@ def table(results: list[dict]) -> str:
     groups, k, sp = _groups(results), kept(results), speed(results)
     lines = [
         "| objective | delay | held-out eval, sampled (%) | kept vs delay 0 | area vs delay 0 | "
-        "updates to 90 % of delay 0 | held-out eval, greedy (%) | "
+        "mean held-out over the budget (%) | updates to 90 % of delay 0 | held-out eval, greedy (%) | "
         "rollout reward, last 20 updates (%, lags by the delay) | mean IS-weight variance | seeds |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (label, delay), fs in sorted(groups.items(), key=lambda kv: (kv[0][1], _order(kv[0][0]))):
         share, fast = k.get((label, delay)), sp.get((label, delay))
         rel = "-" if fast is None else f"{fast['area']:.1%}"
+        mean = "-" if fast is None else f"{100 * fast['mean']:.1f}"
         lines.append(
             f"| {label} | {delay} | {_cell([f['eval'] for f in fs])} | "
-            f"{'-' if share is None else f'{share:.1%}'} | {rel} | "
+            f"{'-' if share is None else f'{share:.1%}'} | {rel} | {mean} | "
             f"{_to_90(fast)} | {_cell([f['greedy'] for f in fs])} | "
             f"{_cell([f['rollout'] for f in fs])} | {_cell([f['is_var'] for f in fs], 1.0, 4)} | {len(fs)} |"
         )
@@ -343,16 +346,21 @@ def summary(results: list[dict]) -> list[dict]:
 
 
 def verdict(results: list[dict]) -> str:
-    """One line: what the default keeps at the largest delay, against the best objective there."""
-    k = kept(results)
+    """One line: what the default keeps at the largest delay and its mean score over the budget, each against
+    the best objective's there."""
+    k, sp = kept(results), speed(results)
     top = max((d for _, d in k), default=0)
     at = {label: v for (label, d), v in k.items() if d == top}
     if not at or top == 0:
         return "no delayed runs with a delay-0 baseline"
     best = max(at, key=at.get)
     mine = at.get(DEFAULT_OBJECTIVE)
-    fast = speed(results).get((DEFAULT_OBJECTIVE, top))
+    fast = sp.get((DEFAULT_OBJECTIVE, top))
     area_part = "" if fast is None else f"; its area under the held-out curve {fast['area']:.1%} of delay 0's"
+    means = {label: f["mean"] for (label, d), f in sp.items() if d == top}
+    if fast is not None and len(means) > 1:
+        first = max(means, key=means.get)
+        area_part += f", its mean score over the budget {fast['mean']:.1%} (best {first} {means[first]:.1%})"
     return (
         f"held-out eval kept at delay {top}: default {DEFAULT_OBJECTIVE} "
         f"{'-' if mine is None else f'{mine:.1%}'}, best {best} {at[best]:.1%}{area_part}"
@@ -512,7 +520,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         f"lr {args.lr}, seeds {args.seeds}, {what}, mean of its last {FINAL_EVALS} evaluations (every "
         f"{args.eval_every} updates), in percent (mean ± spread over seeds). Each delay is set against the "
         f"same objective's delay-0 runs over its own budget: kept = final score over delay 0's final at that "
-        f"budget; area = the area under the held-out curve over delay 0's; updates to 90 % = the first "
+        f"budget; area = the area under the held-out curve over delay 0's; mean = that area itself, the mean "
+        f"held-out score over the budget (comparable across objectives); updates to 90 % = the first "
         f"evaluation reaching 90 % of delay 0's final (mean over seeds; > budget: a seed never did)."
     )
     md = table(results)
