@@ -123,6 +123,19 @@ def test_a_failing_role_still_leaves_in_order(tmp_path, bootstrap_node):
     rt.close()  # idempotent
 
 
+def test_the_reward_sandbox_closes_after_the_node_whose_handlers_score_in_it(tmp_path, bootstrap_node):
+    """A learner's stream handlers re-score incoming rows in the task's reward sandbox: it closes only once
+    the node (and every handler) has (the churn test once logged a handler's SandboxError "closed")."""
+    from types import SimpleNamespace
+
+    rt = _runtime(tmp_path, bootstrap_node, "runtime-sandbox")
+    seen = []
+    rt._task = SimpleNamespace(scorer=SimpleNamespace(close=lambda: seen.append(rt.node._closed)))
+    rt.close()
+    rt.close()  # idempotent: the sandbox closed once
+    assert seen == [True]
+
+
 class Waiter:
     """A role whose loop sleeps on its wake-up until the peer stops (no poll); ``start`` starts ``work``."""
 

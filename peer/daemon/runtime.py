@@ -251,10 +251,14 @@ class PeerRuntime:
             role.close()
 
     def close(self) -> None:
-        """Close the node (and with it the chunk server and every handler); the first call does it."""
+        """Close the node (and with it the chunk server and every handler), then the reward sandbox the
+        handlers score incoming rows in (closed first, a batch arriving in between raised in its handler);
+        the first call does it."""
         if self._closed:
             return
         self._closed = True
-        if getattr(self, "_task", None) is not None and self._task.scorer is not None:
-            self._task.scorer.close()  # type: ignore[attr-defined]
-        self.node.close()
+        try:
+            self.node.close()
+        finally:
+            if getattr(self, "_task", None) is not None and self._task.scorer is not None:
+                self._task.scorer.close()  # type: ignore[attr-defined]
