@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -283,10 +284,11 @@ def speed(results: list[dict]) -> dict[tuple[str, int], dict]:
         target = TO_REACH * _base_final(base, at)
         hits = [updates_to(_curve(r), target, at) for r in rs]
         reached = [h for h in hits if h is not None]
-        ok = all(a is not None for a in base_area + mine) and statistics.fmean(base_area) > 0
+        mean = statistics.fmean(mine) if all(a is not None for a in mine) else float("nan")
+        ok = all(a is not None for a in base_area) and statistics.fmean(base_area) > 0
         out[(label, delay)] = {
-            "area": statistics.fmean(mine) / statistics.fmean(base_area) if ok else float("nan"),
-            "mean": statistics.fmean(mine) if all(a is not None for a in mine) else float("nan"),
+            "area": mean / statistics.fmean(base_area) if ok else float("nan"),
+            "mean": mean,
             "to_90": statistics.fmean(reached) if len(reached) == len(rs) else None,
             "reached": len(reached),
             "budget": at,
@@ -357,8 +359,8 @@ def verdict(results: list[dict]) -> str:
     mine = at.get(DEFAULT_OBJECTIVE)
     fast = sp.get((DEFAULT_OBJECTIVE, top))
     area_part = "" if fast is None else f"; its area under the held-out curve {fast['area']:.1%} of delay 0's"
-    means = {label: f["mean"] for (label, d), f in sp.items() if d == top}
-    if fast is not None and len(means) > 1:
+    means = {label: f["mean"] for (label, d), f in sp.items() if d == top and not math.isnan(f["mean"])}
+    if fast is not None and DEFAULT_OBJECTIVE in means and len(means) > 1:
         first = max(means, key=means.get)
         area_part += f", its mean score over the budget {fast['mean']:.1%} (best {first} {means[first]:.1%})"
     return (
